@@ -109,7 +109,7 @@ def main() -> None:
             [
                 ("kept_mean", "avg kept K'"),
                 ("groups", "distinct counts"),
-                ("passes", "passes (buckets)"),
+                ("buckets", "attention buckets"),
                 ("ms_dqs", "DQS ms"),
                 ("k_fixed", "fixed K"),
                 ("ms_fixed", "fixed-K ms"),

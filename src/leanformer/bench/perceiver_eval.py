@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from torch import Tensor, nn
 
 from leanformer.bench.flops import count_gflops
 from leanformer.bench.plots import save_figure, style_accuracy_axis
-from leanformer.bench.throughput import measure_throughput
+from leanformer.bench.timing import time_interleaved
 from leanformer.engine.evaluate import evaluate
 from leanformer.ops.query_selection import bucket_counts, kept_positions, select_queries
 
@@ -105,19 +104,27 @@ def cost_by_k(
     """``[{"k", "gflops", "ms_per_batch", "img_per_s", "rel_time"}]`` on ``batch [B, C, H, W]``.
 
     ``gflops`` is multiply-adds per image in billions (the papers' convention); the
-    times are medians of ``runs`` after ``warmup``, measured one K after another in
-    this process, so their ratios are comparable.
+    times are medians of ``runs`` after ``warmup``, the K values timed round-robin
+    (:func:`~leanformer.bench.timing.time_interleaved`) so that load or clock changes
+    during the run hit every K alike and their ratios stay comparable.
     """
-    rows = []
-    for k in check_ks(model, ks):
-        kwargs = {"num_queries": k}
-        row: dict[str, Any] = {"k": k, "gflops": count_gflops(model, (batch,), forward_kwargs=kwargs)}
-        row.update(measure_throughput(model, (batch,), forward_kwargs=kwargs, warmup=warmup, runs=runs))
-        rows.append(row)
-    full = max(rows, key=lambda r: r["k"])["ms_per_batch"]
-    for row in rows:
-        row["rel_time"] = row["ms_per_batch"] / full
-    return rows
+    model.eval()
+    ks = check_ks(model, ks)
+    fns = {k: (lambda k=k: model(batch, num_queries=k)) for k in ks}
+    with torch.inference_mode():
+        seconds = time_interleaved(fns, warmup=warmup, runs=runs)  # type: ignore[arg-type]
+    full = seconds[max(ks)]
+    return [
+        {
+            "k": k,
+            "gflops": count_gflops(model, (batch,), forward_kwargs={"num_queries": k}),
+            "ms_per_batch": seconds[k] * 1e3,
+            "img_per_s": len(batch) / seconds[k],
+            "rel_time": seconds[k] / full,
+            "threads": torch.get_num_threads(),
+        }
+        for k in ks
+    ]
 
 
 def dqs_sweep(
@@ -160,17 +167,6 @@ def dqs_sweep(
     return rows
 
 
-def _median_ms(fn: Any, *, warmup: int, runs: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 @torch.inference_mode()
 def dqs_timing(
     model: nn.Module,
@@ -203,20 +199,25 @@ def dqs_timing(
         _, c = kept_positions(keep)
         bucket_counts(c, max_padding=padding)
 
+    seconds = time_interleaved(
+        {
+            "dqs": lambda: model(batch, dqs_threshold=threshold, dqs_rule=rule),
+            "fixed": lambda: model(batch, num_queries=k_fixed),
+            "full": lambda: model(batch),
+            "select": select,
+        },
+        warmup=warmup,
+        runs=runs,
+    )
     row = {
         "threshold": threshold,
         "rule": rule,
         "batch_size": len(batch),
         "kept_mean": k_avg,
         "groups": len(torch.unique(counts)),
-        "passes": len(bucket_counts(counts, max_padding=padding)),
+        "buckets": len(bucket_counts(counts, max_padding=padding)),
         "k_fixed": k_fixed,
-        "ms_dqs": _median_ms(
-            lambda: model(batch, dqs_threshold=threshold, dqs_rule=rule), warmup=warmup, runs=runs
-        ),
-        "ms_fixed": _median_ms(lambda: model(batch, num_queries=k_fixed), warmup=warmup, runs=runs),
-        "ms_full": _median_ms(lambda: model(batch), warmup=warmup, runs=runs),
-        "ms_select": _median_ms(select, warmup=warmup, runs=runs),
+        **{f"ms_{name}": sec * 1e3 for name, sec in seconds.items()},
     }
     row["dqs_vs_fixed"] = row["ms_dqs"] / row["ms_fixed"]
     row["select_share"] = row["ms_select"] / row["ms_full"]

@@ -5,12 +5,14 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from leanformer.ops.attention import attention
+from leanformer.ops.ragged import RaggedBatch
 
 
 class Attention(nn.Module):
     """timm-compatible self-attention (``qkv``, ``q_norm``, ``k_norm``, ``proj``).
 
-    ``forward(x [B, N, C], sizes [B, N] | None, need_received) -> (out [B, N, C], received [B, N] | None)``.
+    ``forward(x [B, N, C], sizes [B, N] | None, need_received) -> (out [B, N, C], received [B, N] | None)``;
+    ``forward(x [T, C], ragged=...)`` for packed variable-length sequences.
     """
 
     def __init__(
@@ -42,9 +44,33 @@ class Attention(nn.Module):
         sizes: Tensor | None = None,
         need_received: bool = False,
         attn_mask: Tensor | None = None,
+        ragged: RaggedBatch | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        """``ragged``: ``x`` is ``[T, C]``, variable-length sequences packed row by row
+        (:mod:`leanformer.ops.ragged`); the projections run on the packed rows and only
+        the attention itself runs per bucket, padded and masked."""
+        qkv = self.qkv(x)
+        if ragged is None:
+            out, received = self._attend(qkv, sizes, need_received, attn_mask)
+            return self.proj_drop(self.proj(out)), received
+        if sizes is not None or need_received or attn_mask is not None:
+            raise ValueError("a ragged batch cannot be combined with sizes, attn_mask or received scores")
+        outs = [
+            self._attend(part, attn_mask=None if mask is None else mask[:, None, None, :])[0]
+            for part, mask in ragged.padded(qkv)
+        ]
+        return self.proj_drop(self.proj(ragged.packed(outs))), None
+
+    def _attend(
+        self,
+        qkv: Tensor,
+        sizes: Tensor | None = None,
+        need_received: bool = False,
+        attn_mask: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Fused projections ``[B, N, 3C]`` -> attention output before ``proj`` ``[B, N, C]``."""
+        B, N, _ = qkv.shape
+        qkv = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         out, received = attention(
@@ -56,5 +82,4 @@ class Attention(nn.Module):
             dropout_p=self.attn_drop if self.training else 0.0,
             return_received=need_received,
         )
-        out = out.transpose(1, 2).reshape(B, N, C)
-        return self.proj_drop(self.proj(out)), received
+        return out.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim), received

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from leanformer.layers.attention import Attention
 from leanformer.layers.reducer import TokenReducer, reduce_tokens
+from leanformer.ops.ragged import RaggedBatch
 
 ReducePosition = Literal["attn", "mlp"]
 
@@ -70,16 +71,26 @@ class Block(nn.Module):
         self.reduce_at = reduce_at
 
     def forward(
-        self, x: Tensor, sizes: Tensor | None = None, num_prefix: int = 0, attn_mask: Tensor | None = None
+        self,
+        x: Tensor,
+        sizes: Tensor | None = None,
+        num_prefix: int = 0,
+        attn_mask: Tensor | None = None,
+        ragged: RaggedBatch | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """``attn_mask`` (SDPA convention, e.g. ``[B, 1, 1, N]`` bool, True = may attend) hides
-        padded tokens; it describes a fixed token set, so it cannot be combined with a reducer."""
+        padded tokens; ``ragged`` says ``x [T, C]`` packs variable-length sequences (only
+        attention needs to know: everything else in the block is token-wise). Both
+        describe a fixed token set, so neither can be combined with a reducer."""
         reducer = self.reducer
-        if attn_mask is not None and reducer is not None:
-            raise ValueError("attn_mask cannot be combined with a token reducer (the token set changes)")
+        if (attn_mask is not None or ragged is not None) and reducer is not None:
+            raise ValueError("attn_mask or a ragged batch cannot be combined with a token reducer")
+        if ragged is not None and self.training and not isinstance(self.drop_path1, nn.Identity):
+            raise ValueError("drop path is per sequence and cannot run on a packed ragged batch")
         need_received = reducer is not None and bool(reducer.needs_received)
+        kwargs = {} if ragged is None else {"ragged": ragged}
         attn_out, received = self.attn(
-            self.norm1(x), sizes=sizes, need_received=need_received, attn_mask=attn_mask
+            self.norm1(x), sizes=sizes, need_received=need_received, attn_mask=attn_mask, **kwargs
         )
         x = x + self.drop_path1(self.ls1(attn_out))
         if reducer is not None and self.reduce_at == "attn":

@@ -20,6 +20,7 @@ from timm.layers import DropPath, LayerScale, Mlp
 from torch import Tensor, nn
 
 from leanformer.ops.attention import attention
+from leanformer.ops.ragged import RaggedBatch
 
 
 class CrossAttention(nn.Module):
@@ -56,26 +57,41 @@ class CrossAttention(nn.Module):
 
     def project(self, queries: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Per-head ``q [B, H, K, D]``, ``k, v [B, H, N, D]`` (queries broadcast to the batch)."""
-        B = x.shape[0]
-        q = self._heads(self.q(queries))
-        if q.shape[0] != B:
-            q = q.expand(B, -1, -1, -1)
-        k, v = self._split_kv(x)
-        return q, k, v
+        k, v = self._split_kv(self.kv(x))
+        return self._broadcast_q(queries, k.shape[0]), k, v
 
-    def _split_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``[B, N, C] -> k, v [B, H, N, C/H]`` from one fused projection."""
-        B, N, _ = x.shape
-        kv = self.kv(x).reshape(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        k, v = kv.unbind(0)
+    def _broadcast_q(self, queries: Tensor, batch_size: int) -> Tensor:
+        q = self._heads(self.q(queries))
+        return q if q.shape[0] == batch_size else q.expand(batch_size, -1, -1, -1)
+
+    def _split_kv(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """Fused key/value projections ``[B, N, 2C] -> k, v [B, H, N, C/H]``."""
+        B, N, _ = kv.shape
+        k, v = kv.reshape(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return k, v
 
-    def mix(self, queries: Tensor, x: Tensor, key_mask: Tensor | None = None) -> Tensor:
+    def mix(
+        self, queries: Tensor, x: Tensor, key_mask: Tensor | None = None, ragged: RaggedBatch | None = None
+    ) -> Tensor:
         """Attention outputs before the output projection: ``[B, K, C]``.
 
-        ``key_mask [B, N]`` (bool, True = real token) hides padded inputs.
+        ``key_mask [B, N]`` (bool, True = real token) hides padded inputs. ``ragged``:
+        ``x [T, C]`` packs one variable-length input per output row (:mod:`leanformer.ops.ragged`);
+        the key/value projection runs on the packed rows, the attention per bucket, and
+        rows come out in packed sequence order. Queries must then be shared (``Bq = 1``).
         """
-        q, k, v = self.project(queries, x)
+        if ragged is None:
+            return self._mix(*self.project(queries, x), key_mask)
+        if key_mask is not None or queries.shape[0] != 1:
+            raise ValueError("a ragged batch needs shared queries [1, K, C] and no key_mask")
+        kv = self.kv(x)
+        outs = []
+        for part, mask in ragged.padded(kv):
+            k, v = self._split_kv(part)
+            outs.append(self._mix(self._broadcast_q(queries, part.shape[0]), k, v, mask))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _mix(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None) -> Tensor:
         mask = None if key_mask is None else key_mask[:, None, None, :]
         out, _ = attention(q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.0)
         B, H, K, D = out.shape
@@ -131,17 +147,21 @@ class CrossAttentionBlock(nn.Module):
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
 
-    def mix(self, queries: Tensor, x: Tensor, key_mask: Tensor | None = None) -> Tensor:
+    def mix(
+        self, queries: Tensor, x: Tensor, key_mask: Tensor | None = None, ragged: RaggedBatch | None = None
+    ) -> Tensor:
         """Raw attention outputs ``Y [B, K, C]`` (weighted averages of the values)."""
-        return self.attn.mix(self.norm_q(queries), self.norm_kv(x), key_mask)
+        return self.attn.mix(self.norm_q(queries), self.norm_kv(x), key_mask, ragged)
 
     def finish(self, queries: Tensor, mixed: Tensor) -> Tensor:
         """Projection + residual onto ``queries [Bq, K, C]`` + MLP; ``mixed [B, K, C]`` -> ``[B, K, C]``."""
         z = queries + self.drop_path1(self.ls1(self.attn.out(mixed)))
         return z + self.drop_path2(self.ls2(self.mlp(self.norm2(z))))
 
-    def forward(self, queries: Tensor, x: Tensor, key_mask: Tensor | None = None) -> Tensor:
-        return self.finish(queries, self.mix(queries, x, key_mask))
+    def forward(
+        self, queries: Tensor, x: Tensor, key_mask: Tensor | None = None, ragged: RaggedBatch | None = None
+    ) -> Tensor:
+        return self.finish(queries, self.mix(queries, x, key_mask, ragged))
 
     def attention_probs(self, queries: Tensor, x: Tensor) -> Tensor:
         """``[B, H, K, N]`` attention probabilities of each query over the inputs."""

@@ -14,8 +14,10 @@ so ``forward`` takes the number of queries at call time:
   per input (the random-subset baseline);
 * ``dqs_threshold=t`` runs Dynamic Query Selection (:mod:`leanformer.ops.query_selection`)
   over the candidates, then runs the rest of the network on each input's kept queries
-  only, one sub-batch per distinct kept count, so a mixed batch costs what its kept
-  tokens cost. The per-input kept counts are left in ``model.last_kept_counts``.
+  only: the kept latents of the whole batch are packed into one ``[T, C]`` matrix for
+  the token-wise layers and attention runs per bucket of similar kept counts, so a
+  mixed batch costs about what its kept tokens cost. The per-input kept counts are
+  left in ``model.last_kept_counts``.
 
 Shape of the cross-attention and decoder blocks: the paper gives the totals (6.18M
 parameters, 394M multiply-adds at Q=64, 11M at Q=1) but not the blocks. The per-K
@@ -37,6 +39,7 @@ from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import PatchEmbed, resample_pos_embed, to_2tuple
 from leanformer.models.registry import register
 from leanformer.ops.query_selection import DQS_RULES, bucket_counts, kept_positions, select_queries
+from leanformer.ops.ragged import RaggedBatch
 
 
 def sincos_2d(grid: tuple[int, int], dim: int) -> Tensor:
@@ -86,8 +89,8 @@ class VisualPerceiver(nn.Module):
         self.pos_embed_init = pos_embed_init
         if dqs_max_padding < 0:
             raise ValueError(f"dqs_max_padding must be >= 0, got {dqs_max_padding}")
-        # DQS groups inputs whose kept counts are within this fraction of each other and
-        # pads the shorter ones (masked); 0 runs one group per distinct count.
+        # DQS attention buckets: inputs whose kept counts are within this fraction of each
+        # other share one padded, masked attention call per block; 0 = one per count.
         self.dqs_max_padding = dqs_max_padding
         if num_queries < 1:
             raise ValueError(f"num_queries must be >= 1, got {num_queries}")
@@ -190,21 +193,18 @@ class VisualPerceiver(nn.Module):
             raise ValueError(f"query_index values must be in [0, {self.num_queries - 1}], got [{lo}, {hi}]")
         return index.long()
 
-    def encode(self, queries: Tensor, mixed: Tensor, latent_mask: Tensor | None = None) -> Tensor:
-        """Finish the cross-attention block and run the self-attention blocks: ``[B, K, C]``.
-
-        ``latent_mask [B, K]`` (True = real latent) hides padded latents from attention;
-        everything else in a block is token-wise, so real latents are unaffected by them.
-        """
+    def encode(self, queries: Tensor, mixed: Tensor, ragged: RaggedBatch | None = None) -> Tensor:
+        """Finish the cross-attention block and run the self-attention blocks: ``[B, K, C]``,
+        or packed ``[T, C]`` latents of variable-length inputs with ``ragged``."""
         z = self.cross.finish(queries, mixed)
-        attn_mask = None if latent_mask is None else latent_mask[:, None, None, :]
         for blk in self.blocks:
-            z, _ = blk(z, attn_mask=attn_mask)
+            z, _ = blk(z, ragged=ragged) if ragged is not None else blk(z)
         return z
 
-    def decode(self, latents: Tensor, latent_mask: Tensor | None = None) -> Tensor:
-        """One learned query attends to the latents ``[B, K, C]`` -> normalised features ``[B, C]``."""
-        return self.norm(self.decoder(self.decoder_query, latents, latent_mask)[:, 0])
+    def decode(self, latents: Tensor, ragged: RaggedBatch | None = None) -> Tensor:
+        """One learned query attends to the latents ``[B, K, C]`` (or packed ``[T, C]`` with
+        ``ragged``) -> normalised features ``[B, C]``."""
+        return self.norm(self.decoder(self.decoder_query, latents, ragged=ragged)[:, 0])
 
     # -- public interface -----------------------------------------------------------------
 
@@ -228,29 +228,32 @@ class VisualPerceiver(nn.Module):
         return self._forward_dqs(queries, mixed, float(dqs_threshold), dqs_rule)
 
     def _forward_dqs(self, queries: Tensor, mixed: Tensor, threshold: float, rule: str) -> Tensor:
-        """Select queries per input on ``mixed [B, K, C]``, then run each kept-count group alone."""
-        B, _, C = mixed.shape
+        """Select queries per input on ``mixed [B, K, C]``, then run only the kept ones.
+
+        The kept latents of all inputs are packed into one ``[T, C]`` matrix, so every
+        token-wise layer costs exactly the kept tokens; attention runs per bucket of
+        inputs with similar kept counts (within ``dqs_max_padding``), padded and masked.
+        """
+        B = mixed.shape[0]
         keep = select_queries(mixed.detach(), threshold, rule=rule)  # type: ignore[arg-type]
         positions, counts = kept_positions(keep)
         self.last_kept_mask, self.last_kept_counts = keep, counts
-        feats, order = [], []
-        for smallest, count, idx in bucket_counts(counts, max_padding=self.dqs_max_padding):
-            # [b, count] kept candidate positions, in order; a member that keeps fewer
-            # than `count` queries is padded with dropped ones, masked out below.
-            pos = positions[idx, :count]
-            sel = pos[..., None].expand(-1, -1, C)
-            group_mixed = mixed[idx].gather(1, sel)
-            group_queries = queries[0][pos] if queries.shape[0] == 1 else queries[idx].gather(1, sel)
-            latent_mask = None  # equal counts: no padding, the unmasked fused kernels run
-            if smallest < count:
-                latent_mask = torch.arange(count, device=counts.device)[None, :] < counts[idx, None]
-            feats.append(self.decode(self.encode(group_queries, group_mixed, latent_mask), latent_mask))
-            order.append(idx)
-        # Undo the grouping: row r of the concatenation belongs to input order[r].
-        inverse = torch.empty_like(counts)
-        perm = torch.cat(order)
-        inverse[perm] = torch.arange(B, device=perm.device)
-        return torch.cat(feats)[inverse]
+        buckets = bucket_counts(counts, max_padding=self.dqs_max_padding)
+        order = torch.cat([idx for _, _, idx in buckets])  # packed position -> input
+        lengths = counts[order]
+        ragged = RaggedBatch(lengths, [len(idx) for _, _, idx in buckets])
+        # Packed rows: for each input in `order`, its kept candidate positions in order.
+        rank = torch.arange(positions.shape[1], device=counts.device)
+        packed_pos = positions[order][rank[None, :] < lengths[:, None]]  # [T]
+        packed_input = torch.repeat_interleave(order, lengths, output_size=ragged.num_tokens)
+        packed_mixed = mixed[packed_input, packed_pos]
+        shared = queries.shape[0] == 1
+        packed_queries = queries[0][packed_pos] if shared else queries[packed_input, packed_pos]
+        feats = self.decode(self.encode(packed_queries, packed_mixed, ragged), ragged)
+        # Undo the grouping: row r of `feats` belongs to input order[r].
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(B, device=order.device)
+        return feats[inverse]
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Features ``[B, C]`` -> logits ``[B, num_classes]``."""

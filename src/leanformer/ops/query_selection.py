@@ -15,8 +15,8 @@ The first candidate is always kept. Similarities are clamped to ``[-1, 1]``, so 
 ``t >= 1`` keeps every query and ``t < -1`` keeps only the first.
 
 Everything here is a selection *plan* (no gradients), computed once per batch; the
-model then runs only the kept queries, grouped by kept count
-(:func:`group_by_count`).
+model then runs only the kept queries, packed, with attention in buckets of similar
+kept count (:func:`bucket_counts`).
 """
 
 from __future__ import annotations
@@ -99,12 +99,11 @@ def bucket_counts(counts: Tensor, *, max_padding: float = 0.0) -> list[tuple[int
 
     ``max_padding = 0``: one group per distinct count. ``max_padding = p > 0``: consecutive
     counts share a group while its largest count is at most ``(1 + p)`` times its
-    smallest; its shorter members are then padded (and masked) up to the largest.
-    Fewer, larger groups trade at most a fraction ``p`` of padded work for fewer passes
-    through the network, whose fixed per-pass cost dominates when almost every input
-    keeps a different number of queries.
+    smallest; its shorter members are then padded (and masked) up to the largest in
+    attention. Fewer, larger groups trade at most a fraction ``p`` of padded attention
+    for fewer, larger attention calls (:class:`leanformer.ops.ragged.RaggedBatch`).
 
-    This is the one host synchronisation of DQS: the group sizes decide tensor shapes.
+    This is a host synchronisation of DQS: the group sizes decide tensor shapes.
     """
     if max_padding < 0:
         raise ValueError(f"max_padding must be >= 0, got {max_padding}")
