@@ -21,8 +21,12 @@ def test_padded_layout_and_round_trip() -> None:
     assert [tuple(p.shape) for p, _ in parts] == [(1, 2, 2), (2, 3, 2), (2, 5, 2)]
     assert parts[0][1] is None and parts[1][1] is None  # equal lengths: no mask ...
     assert parts[1][0].data_ptr() == x[2:].data_ptr()  # ... and a view, not a copy
-    padded, mask = parts[2]
-    assert mask is not None and mask.tolist() == [[True] * 5, [True] + [False] * 4]
+    padded, bias = parts[2]
+    assert bias is not None and bias.shape == (2, 1, 1, 5)
+    inf = float("-inf")
+    assert bias[:, 0, 0].tolist() == [[0.0] * 5, [0.0] + [inf] * 4]
+    assert ragged.padded(x.double())[2][1].dtype == torch.float64  # the mask follows the dtype
+    assert ragged.padded(x)[2][1] is bias  # built once per dtype
     torch.testing.assert_close(padded[0], x[8:13])  # sequence of 5 starts at row 2+3+3
     torch.testing.assert_close(padded[1, 0], x[13])
     torch.testing.assert_close(ragged.packed([p for p, _ in parts]), x)

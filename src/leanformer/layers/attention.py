@@ -55,10 +55,7 @@ class Attention(nn.Module):
             return self.proj_drop(self.proj(out)), received
         if sizes is not None or need_received or attn_mask is not None:
             raise ValueError("a ragged batch cannot be combined with sizes, attn_mask or received scores")
-        outs = [
-            self._attend(part, attn_mask=None if mask is None else mask[:, None, None, :])[0]
-            for part, mask in ragged.padded(qkv)
-        ]
+        outs = [self._attend(part, attn_mask=bias)[0] for part, bias in ragged.padded(qkv)]
         return self.proj_drop(self.proj(ragged.packed(outs))), None
 
     def _attend(

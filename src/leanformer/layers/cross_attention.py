@@ -81,18 +81,19 @@ class CrossAttention(nn.Module):
         rows come out in packed sequence order. Queries must then be shared (``Bq = 1``).
         """
         if ragged is None:
-            return self._mix(*self.project(queries, x), key_mask)
+            mask = None if key_mask is None else key_mask[:, None, None, :]
+            return self._mix(*self.project(queries, x), mask)
         if key_mask is not None or queries.shape[0] != 1:
             raise ValueError("a ragged batch needs shared queries [1, K, C] and no key_mask")
         kv = self.kv(x)
         outs = []
-        for part, mask in ragged.padded(kv):
+        for part, bias in ragged.padded(kv):
             k, v = self._split_kv(part)
-            outs.append(self._mix(self._broadcast_q(queries, part.shape[0]), k, v, mask))
+            outs.append(self._mix(self._broadcast_q(queries, part.shape[0]), k, v, bias))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _mix(self, q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None) -> Tensor:
-        mask = None if key_mask is None else key_mask[:, None, None, :]
+    def _mix(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """``mask``: SDPA attention mask broadcast to ``[B, H, K, N]`` (bool or additive)."""
         out, _ = attention(q, k, v, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.0)
         B, H, K, D = out.shape
         return out.transpose(1, 2).reshape(B, K, H * D)

@@ -10,7 +10,9 @@ needs a per-sequence layout: :meth:`RaggedBatch.padded` cuts the packed rows int
 
 Packed order: sequence by sequence, bucket by bucket, tokens in order within a
 sequence. A bucket whose sequences all have its length is a plain reshape of its rows
-(no copy, no mask, the unmasked fused kernel runs).
+(no copy, no mask, the unmasked fused kernel runs). Masks come as additive logit biases
+``[b, 1, 1, n]`` (0 or -inf), built once per dtype and reused by every block: a boolean
+mask would be converted again by every attention call.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class RaggedBatch:
                 f"{lengths.shape[0]} sequences"
             )
         lengths = lengths.long()
+        self._biases: dict[torch.dtype, list[Tensor | None]] = {}
         # The one host synchronisation: bucket lengths decide tensor shapes.
         lens = lengths.tolist()
         if min(lens, default=1) < 1:
@@ -84,16 +87,36 @@ class RaggedBatch:
         return int(self.lengths.shape[0])
 
     def padded(self, packed: Tensor) -> list[tuple[Tensor, Tensor | None]]:
-        """``packed [T, D]`` -> per bucket ``(padded [b, n, D], key_mask [b, n] | None)``."""
+        """``packed [T, D]`` -> per bucket ``(padded [b, n, D], attn_bias [b, 1, 1, n] | None)``.
+
+        ``attn_bias`` is 0 for real keys and -inf for padding, in ``packed``'s dtype: pass it
+        to attention as an additive mask. None when the bucket has no padding.
+        """
         self._check(packed)
+        biases = self.attention_biases(packed.dtype)
         out = []
-        for bk in self.buckets:
+        for bk, bias in zip(self.buckets, biases, strict=True):
             if bk.slot_rows is None:
                 out.append((packed[bk.start : bk.stop].reshape(bk.num_seqs, bk.length, -1), None))
             else:
                 padded = packed.index_select(0, bk.slot_rows).reshape(bk.num_seqs, bk.length, -1)
-                out.append((padded, bk.key_mask))
+                out.append((padded, bias))
         return out
+
+    def attention_biases(self, dtype: torch.dtype) -> list[Tensor | None]:
+        """Per bucket the additive key mask ``[b, 1, 1, n]`` (0 real, -inf padding), or None."""
+        cached = self._biases.get(dtype)
+        if cached is None:
+            cached = [
+                None
+                if bk.key_mask is None
+                else torch.zeros(bk.key_mask.shape, dtype=dtype, device=bk.key_mask.device).masked_fill_(
+                    ~bk.key_mask, float("-inf")
+                )[:, None, None, :]
+                for bk in self.buckets
+            ]
+            self._biases[dtype] = cached
+        return cached
 
     def packed(self, padded: Sequence[Tensor]) -> Tensor:
         """Inverse of :meth:`padded`: per-bucket ``[b, n, D]`` -> ``[T, D]`` (padding dropped)."""
