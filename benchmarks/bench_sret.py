@@ -4,7 +4,9 @@
    attention kernel on G groups (``[B*G, H, N/G, D]``) against full attention
    (``[B, H, N, D]``), and the whole sliced-attention layer (qkv, permutation, inverse,
    proj) against the same layer with G = 1. Goal: kernel time <= 1.5 / G of full.
-2. Whole models at 224x224: GFLOPs (multiply-adds) and img/s, sliced vs unsliced.
+2. Kernel cost per attention score at several sequence lengths with the same number of
+   tokens (``--score-lengths``): why G short sequences cost more than 1/G of one long one.
+3. Whole models at 224x224: GFLOPs (multiply-adds) and img/s, sliced vs unsliced.
 
 Timings alternate between the variants in one process and report medians. Run with
 the allocator setting of docs/BENCHMARKS.md. Prints a markdown table; writes JSON lines.
@@ -46,8 +48,13 @@ def bench_attention(batch: int, groups: int, tokens: int, dim: int, heads: int, 
     n = tokens // groups
     qs, ks, vs = (t.transpose(1, 2).reshape(batch * groups, n, heads, d).transpose(1, 2) for t in (q, k, v))
 
+    qc, kc, vc = (t.contiguous() for t in (qs, ks, vs))
+
     def sliced_kernel() -> torch.Tensor:
         return F.scaled_dot_product_attention(qs, ks, vs)
+
+    def sliced_kernel_contiguous() -> torch.Tensor:
+        return F.scaled_dot_product_attention(qc, kc, vc)
 
     layer = SlicedGroupAttention(dim, num_heads=heads).eval()
     x = torch.randn(batch, tokens, dim)
@@ -55,6 +62,7 @@ def bench_attention(batch: int, groups: int, tokens: int, dim: int, heads: int, 
         {
             "full kernel": lambda: F.scaled_dot_product_attention(q, k, v),
             "sliced kernel": sliced_kernel,
+            "sliced kernel, contiguous inputs": sliced_kernel_contiguous,
             "full layer": lambda: layer(x, groups=1),
             "sliced layer": lambda: layer(x, groups=groups),
             "sliced layer + permutation": lambda: layer(x, groups=groups, permute=True),
@@ -73,7 +81,39 @@ def bench_attention(batch: int, groups: int, tokens: int, dim: int, heads: int, 
                 "shape": shape,
                 "ms": round(t, 3),
                 "ratio_to_full": round(t / base, 4),
-                "goal_ratio": round(1.5 / groups, 4) if name == "sliced kernel" else None,
+                "goal_ratio": round(1.5 / groups, 4) if name.startswith("sliced kernel") else None,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    return rows
+
+
+def bench_score_cost(total_tokens: int, lengths: list[int], dim: int, heads: int, runs: int) -> list[dict]:
+    """Nanoseconds per attention score (query-key pair and head) of the fused kernel.
+
+    Every length gets the same number of tokens (``total_tokens // n`` sequences of
+    ``n``) with contiguous ``[S, H, n, D]`` inputs, so only the sequence length changes.
+    """
+    torch.manual_seed(0)
+    d = dim // heads
+    inputs = {n: [torch.randn(total_tokens // n, heads, n, d) for _ in range(3)] for n in lengths}
+    ms = time_side_by_side(
+        {f"n={n}": (lambda t=t: F.scaled_dot_product_attention(*t)) for n, t in inputs.items()},
+        warmup=3,
+        runs=runs,
+    )
+    rows = []
+    for n in lengths:
+        scores = (total_tokens // n) * heads * n * n
+        rows.append(
+            {
+                "bench": "sret_score_cost",
+                "seq_len": n,
+                "sequences": total_tokens // n,
+                "heads": heads,
+                "head_dim": d,
+                "ms": round(ms[f"n={n}"], 3),
+                "ns_per_score": round(ms[f"n={n}"] * 1e6 / scores, 3),
                 "threads": torch.get_num_threads(),
             }
         )
@@ -106,13 +146,19 @@ def bench_models(names: list[str], batch: int, img_size: int, runs: int) -> list
     return rows
 
 
-def print_tables(att: list[dict], mod: list[dict]) -> None:
+def print_tables(att: list[dict], score: list[dict], mod: list[dict]) -> None:
     print(f"\nSliced group attention ({att[0]['shape']}), median ms, {att[0]['threads']} threads\n")
     print("| variant | ms | ratio to full | goal |")
     print("|---|---:|---:|---:|")
     for r in att:
         goal = f"<= {r['goal_ratio']:.3f}" if r["goal_ratio"] is not None else ""
         print(f"| {r['variant']} | {r['ms']:.2f} | {r['ratio_to_full']:.3f} | {goal} |")
+    if score:
+        print(f"\nFused kernel cost per score, {score[0]['heads']} heads of dim {score[0]['head_dim']}\n")
+        print("| sequence length | sequences | ms | ns per score |")
+        print("|---:|---:|---:|---:|")
+        for r in score:
+            print(f"| {r['seq_len']} | {r['sequences']} | {r['ms']:.2f} | {r['ns_per_score']:.2f} |")
     print("\nWhole models\n")
     print("| model | img size | params (M) | GFLOPs | img/s (batch) |")
     print("|---|---:|---:|---:|---:|")
@@ -136,17 +182,25 @@ def main() -> None:
     parser.add_argument(
         "--models", default="sret_tiny,sret_tiny_unsliced", help="comma-separated models to compare"
     )
+    parser.add_argument(
+        "--score-lengths",
+        default="784,392,196,128,98,96",
+        help="comma-separated sequence lengths for the per-score kernel cost ('' to skip)",
+    )
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     att = bench_attention(args.batch, args.groups, tokens=784, dim=64, heads=2, runs=args.runs)
+    lengths = [int(n) for n in args.score_lengths.split(",") if n]
+    score = bench_score_cost(args.batch * 784, lengths, dim=64, heads=2, runs=args.runs) if lengths else []
     mod = bench_models(
         [n for n in args.models.split(",") if n], args.model_batch, args.img_size, max(args.runs // 2, 2)
     )
-    print_tables(att, mod)
-    out = write_jsonl(att + mod, args.out, append=True)
-    print(f"\nwrote {len(att) + len(mod)} rows to {out}")
+    print_tables(att, score, mod)
+    rows = att + score + mod
+    out = write_jsonl(rows, args.out, append=True)
+    print(f"\nwrote {len(rows)} rows to {out}")
 
 
 if __name__ == "__main__":
