@@ -70,11 +70,19 @@ def _contract(name: str, batch: int, max_img_size: int | None = None) -> None:
     model.eval()
     with torch.no_grad():
         assert model(*inputs).shape == (batch, 3)
+    with pytest.raises(ValueError, match="num_classes must be"):
+        model.reset_classifier(-1)
 
 
 @pytest.mark.parametrize("name", TINY)
 def test_contract_tiny(name: str) -> None:
     _contract(name, batch=2)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_negative_class_count_rejected(name: str) -> None:
+    with pytest.raises(ValueError, match="num_classes must be"):
+        leanformer.create_model(name, num_classes=-2)
 
 
 @pytest.mark.slow

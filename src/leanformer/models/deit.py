@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.layers.block import Block, ReducePosition
+from leanformer.layers.classifier import classifier
 from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import PatchEmbed, resample_pos_embed, to_2tuple
 from leanformer.models.registry import register
@@ -82,10 +83,8 @@ class DeiT(nn.Module):
         )
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-        self.head_dist = (
-            (nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()) if distilled else None
-        )
+        self.head = classifier(embed_dim, num_classes)
+        self.head_dist = classifier(embed_dim, num_classes) if distilled else None
         self._init_weights()
 
         self.pool = pool
@@ -144,9 +143,9 @@ class DeiT(nn.Module):
 
     def reset_classifier(self, num_classes: int) -> None:
         self.num_classes = num_classes
-        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = classifier(self.embed_dim, num_classes)
         if self.head_dist is not None:
-            self.head_dist = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+            self.head_dist = classifier(self.embed_dim, num_classes)
 
 
 # The papers' shapes (224x224, patch 16, depth 12, mlp ratio 4). DeiT-e252/e318 are the

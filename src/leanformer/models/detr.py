@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leanformer.layers.classifier import classifier
 from leanformer.layers.enact_attention import DenseSelfAttention, EntropyClusteredAttention
 from leanformer.layers.patch_embed import to_2tuple
 from leanformer.layers.position_encoding import SinePositionEncoding2d
@@ -118,7 +119,7 @@ class DETREncoder(nn.Module):
             )
             for _ in range(num_layers)
         )
-        self.head = nn.Linear(d_model, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = classifier(d_model, num_classes)
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
@@ -164,7 +165,7 @@ class DETREncoder(nn.Module):
 
     def reset_classifier(self, num_classes: int) -> None:
         self.num_classes = num_classes
-        self.head = nn.Linear(self.d_model, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = classifier(self.d_model, num_classes)
 
     def default_feature_size(self) -> tuple[int, int]:
         s = self.backbone_stride

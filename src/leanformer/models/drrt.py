@@ -32,6 +32,7 @@ import torch
 from timm.layers import trunc_normal_
 from torch import Tensor, nn
 
+from leanformer.layers.classifier import classifier
 from leanformer.layers.interaction import FUSIONS, InteractionTransformer, RelationMapRecurrence
 from leanformer.layers.local_recurrence import LocalRecurrence
 from leanformer.layers.pair_embed import ImagePatchTokens, PointTokens, grid_regions
@@ -104,8 +105,6 @@ class DRRT(nn.Module):
         drop_rate: float = 0.0,
     ) -> None:
         super().__init__()
-        if num_classes < 0:
-            raise ValueError(f"num_classes must be >= 0, got {num_classes}")
         if inputs not in ("both", "a", "b"):
             raise ValueError(f"inputs must be 'both', 'a' or 'b', got {inputs!r}")
         if relations not in ("both", "global", "regional"):
@@ -236,7 +235,7 @@ class DRRT(nn.Module):
     def reset_classifier(self, num_classes: int) -> None:
         """New output layer for ``num_classes`` (the two hidden layers are kept)."""
         self.num_classes = num_classes
-        last = nn.Linear(self.head_hidden, num_classes) if num_classes > 0 else nn.Identity()
+        last = classifier(self.head_hidden, num_classes)
         self.head[-1] = last
 
     def example_inputs(
@@ -362,7 +361,7 @@ def _classifier(dim: int, hidden: int, num_classes: int, drop: float) -> nn.Sequ
         nn.Linear(hidden, hidden),
         nn.GELU(),
         nn.Dropout(drop),
-        nn.Linear(hidden, num_classes) if num_classes > 0 else nn.Identity(),
+        classifier(hidden, num_classes),
     )
 
 

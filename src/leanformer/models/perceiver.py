@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.layers.block import Block
+from leanformer.layers.classifier import classifier
 from leanformer.layers.cross_attention import CrossAttentionBlock
 from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import PatchEmbed, resample_pos_embed, to_2tuple
@@ -130,7 +131,7 @@ class VisualPerceiver(nn.Module):
         )
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = classifier(embed_dim, num_classes)
         # Per-input kept query counts [B] of the last DQS call (None after a fixed-K call).
         self.last_kept_counts: Tensor | None = None
         self.last_kept_mask: Tensor | None = None
@@ -272,7 +273,7 @@ class VisualPerceiver(nn.Module):
 
     def reset_classifier(self, num_classes: int) -> None:
         self.num_classes = num_classes
-        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = classifier(self.embed_dim, num_classes)
 
     @torch.no_grad()
     def cross_attention_maps(self, x: Tensor, num_queries: int | None = None) -> Tensor:

@@ -18,6 +18,7 @@ from functools import partial
 from timm.layers import DropPath, Mlp
 from torch import Tensor, nn
 
+from leanformer.layers.classifier import classifier
 from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import PatchEmbed, to_2tuple
 from leanformer.layers.recursive import LAYER_NORM, RecursiveStage
@@ -109,7 +110,7 @@ class RecursiveMixer(nn.Module):
         )
         self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = classifier(embed_dim, num_classes)
         init_vit_weights(self)
 
     def forward_features(self, x: Tensor) -> Tensor:
@@ -133,7 +134,7 @@ class RecursiveMixer(nn.Module):
 
     def reset_classifier(self, num_classes: int) -> None:
         self.num_classes = num_classes
-        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = classifier(self.embed_dim, num_classes)
 
 
 register(

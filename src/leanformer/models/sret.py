@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leanformer.layers.classifier import classifier
 from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import to_2tuple
 from leanformer.layers.recursive import RecursiveStage
@@ -114,7 +115,6 @@ class SReT(nn.Module):
             groups,
             permutation,
             lrc,
-            num_classes,
         )
         self.img_size = to_2tuple(img_size)
         self.in_chans = in_chans
@@ -170,7 +170,7 @@ class SReT(nn.Module):
         self.pools = nn.ModuleList(pools)
         self.norm = nn.LayerNorm(self.num_features, eps=1e-6)
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = classifier(self.num_features, num_classes)
         self._init_weights()
 
     @staticmethod
@@ -184,7 +184,6 @@ class SReT(nn.Module):
         groups: Sequence[Sequence[int]],
         permutation: str,
         lrc: str,
-        num_classes: int,
     ) -> None:
         n = len(embed_dims)
         if n < 1 or not (len(num_heads) == len(unique) == len(groups) == n):
@@ -219,8 +218,6 @@ class SReT(nn.Module):
         if permutation not in PERMUTATIONS:
             raise ValueError(f"permutation must be one of {', '.join(PERMUTATIONS)}; got {permutation!r}")
         check_lrc_mode(lrc)
-        if num_classes < 0:
-            raise ValueError(f"num_classes must be >= 0, got {num_classes}")
 
     def _init_weights(self) -> None:
         init_vit_weights(self, self.pos_embed)
@@ -289,7 +286,7 @@ class SReT(nn.Module):
 
     def reset_classifier(self, num_classes: int) -> None:
         self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = classifier(self.num_features, num_classes)
 
     def attention_cost_ratio(self) -> float:
         """Attention-matrix cost relative to the same model with every group count 1.
