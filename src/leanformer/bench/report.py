@@ -79,3 +79,15 @@ def bench_model(
     if callable(extras):
         row.update(extras())
     return row
+
+
+def trained_model_row(
+    model: nn.Module, top1: float, *, device: str | torch.device = "cpu", batch_size: int = 64
+) -> dict[str, Any]:
+    """A trained classifier's row in the demo tables: top-1, params (M), GFLOPs, img/s, threads.
+
+    img/s is measured in eval mode at ``batch_size`` on random inputs of the model's shape.
+    """
+    model.eval()
+    stats = bench_model(model, example_inputs(model, batch_size, device=device), memory=False)
+    return {"top1": top1, **{key: stats[key] for key in ("params_m", "gflops", "img_per_s", "threads")}}

@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.bench.report import bench_model, example_inputs
+    from leanformer.bench.report import trained_model_row
     from leanformer.config import load_config
     from leanformer.engine.train import fit
 
@@ -32,19 +32,12 @@ def run(args: argparse.Namespace) -> list[dict]:
         },
     )
     result = fit(cfg, out_dir=Path(args.out), progress=not args.quiet and not args.json)
-    model = result.model.eval()
-    inputs = example_inputs(model, 64, device=args.device)
-    stats = bench_model(model, inputs, memory=False)
     row = {
         "demo": "deit",
         "model": cfg.model,
         "dataset": "digits",
         "epochs": args.epochs,
-        "top1": result.metrics["top1"],
-        "params_m": stats["params_m"],
-        "gflops": stats["gflops"],
-        "img_per_s": stats["img_per_s"],
-        "threads": stats["threads"],
+        **trained_model_row(result.model, result.metrics["top1"], device=args.device),
         "checkpoint": str(Path(args.out) / "last.safetensors"),
     }
     if not args.json:

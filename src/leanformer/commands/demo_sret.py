@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.bench.report import bench_model, example_inputs
+    from leanformer.bench.report import trained_model_row
     from leanformer.config import load_config
     from leanformer.engine.train import fit
     from leanformer.models.registry import model_info
@@ -59,8 +59,6 @@ def run(args: argparse.Namespace) -> list[dict]:
         )
         out = Path(args.out) / name
         result = fit(cfg, out_dir=out, progress=not args.quiet and not args.json)
-        model = result.model.eval()
-        stats = bench_model(model, example_inputs(model, 64, device=args.device), memory=False)
         rows.append(
             {
                 "demo": "sret",
@@ -68,11 +66,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "note": notes.get(name, ""),
                 "dataset": "digits",
                 "epochs": args.epochs,
-                "top1": result.metrics["top1"],
-                "params_m": stats["params_m"],
-                "gflops": stats["gflops"],
-                "img_per_s": stats["img_per_s"],
-                "threads": stats["threads"],
+                **trained_model_row(result.model, result.metrics["top1"], device=args.device),
                 "checkpoint": str(out / "last.safetensors"),
             }
         )
