@@ -72,6 +72,9 @@ def _contract(name: str, batch: int, max_img_size: int | None = None) -> None:
         assert model(*inputs).shape == (batch, 3)
     with pytest.raises(ValueError, match="num_classes must be"):
         model.reset_classifier(-1)
+    assert model.num_classes == 3  # a refused reset leaves the model as it was
+    with torch.no_grad():
+        assert model(*inputs).shape == (batch, 3)
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -142,10 +142,10 @@ class DeiT(nn.Module):
         return self.forward_head(self.forward_features(x))
 
     def reset_classifier(self, num_classes: int) -> None:
-        self.num_classes = num_classes
-        self.head = classifier(self.embed_dim, num_classes)
+        self.head = classifier(self.embed_dim, num_classes)  # raises before the model changes
         if self.head_dist is not None:
             self.head_dist = classifier(self.embed_dim, num_classes)
+        self.num_classes = num_classes
 
 
 # The papers' shapes (224x224, patch 16, depth 12, mlp ratio 4). DeiT-e252/e318 are the

@@ -164,8 +164,8 @@ class DETREncoder(nn.Module):
         return self.forward_head(self.forward_features(x, mask), mask=mask)
 
     def reset_classifier(self, num_classes: int) -> None:
+        self.head = classifier(self.d_model, num_classes)  # raises before the model changes
         self.num_classes = num_classes
-        self.head = classifier(self.d_model, num_classes)
 
     def default_feature_size(self) -> tuple[int, int]:
         s = self.backbone_stride

@@ -234,9 +234,8 @@ class DRRT(nn.Module):
 
     def reset_classifier(self, num_classes: int) -> None:
         """New output layer for ``num_classes`` (the two hidden layers are kept)."""
+        self.head[-1] = classifier(self.head_hidden, num_classes)  # raises before the model changes
         self.num_classes = num_classes
-        last = classifier(self.head_hidden, num_classes)
-        self.head[-1] = last
 
     def example_inputs(
         self, batch_size: int, *, img_size: int | None = None, feature_size: Any = None

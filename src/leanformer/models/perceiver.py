@@ -272,8 +272,8 @@ class VisualPerceiver(nn.Module):
         return self.forward_head(self.forward_features(x, num_queries, query_index, dqs_threshold, dqs_rule))
 
     def reset_classifier(self, num_classes: int) -> None:
+        self.head = classifier(self.embed_dim, num_classes)  # raises before the model changes
         self.num_classes = num_classes
-        self.head = classifier(self.embed_dim, num_classes)
 
     @torch.no_grad()
     def cross_attention_maps(self, x: Tensor, num_queries: int | None = None) -> Tensor:

@@ -133,8 +133,8 @@ class RecursiveMixer(nn.Module):
         return self.forward_head(self.forward_features(x))
 
     def reset_classifier(self, num_classes: int) -> None:
+        self.head = classifier(self.embed_dim, num_classes)  # raises before the model changes
         self.num_classes = num_classes
-        self.head = classifier(self.embed_dim, num_classes)
 
 
 register(

@@ -285,8 +285,8 @@ class SReT(nn.Module):
         return self.forward_head(self.forward_features(x))
 
     def reset_classifier(self, num_classes: int) -> None:
+        self.head = classifier(self.num_features, num_classes)  # raises before the model changes
         self.num_classes = num_classes
-        self.head = classifier(self.num_features, num_classes)
 
     def attention_cost_ratio(self) -> float:
         """Attention-matrix cost relative to the same model with every group count 1.
