@@ -108,8 +108,12 @@ def main() -> None:
             [dqs],
             [
                 ("kept_mean", "avg kept K'"),
+                ("kept_min", "min"),
+                ("kept_max", "max"),
                 ("groups", "distinct counts"),
                 ("buckets", "attention buckets"),
+                ("attention_work", "attention work / fixed"),
+                ("attention_work_padded", "with padding"),
                 ("ms_dqs", "DQS ms"),
                 ("k_fixed", "fixed K"),
                 ("ms_fixed", "fixed-K ms"),

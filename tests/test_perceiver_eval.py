@@ -53,8 +53,16 @@ def test_dqs_sweep_and_timing() -> None:
     rows = dqs_sweep(model, loader, [-2.0, 1.0])
     assert rows[0]["kept_mean"] == 1.0 and rows[0]["kept_max"] == 1
     assert rows[1]["kept_mean"] == 8.0 and rows[1]["top1"] == evaluate(model, loader)["top1"]
-    timing = dqs_timing(model, torch.randn(4, 3, 16, 16), 0.5, warmup=0, runs=1)
+    batch = torch.randn(4, 3, 16, 16)
+    timing = dqs_timing(model, batch, 0.5, warmup=0, runs=1)
     assert 1 <= timing["kept_mean"] <= 8 and timing["ms_select"] > 0
+    model(batch, dqs_threshold=0.5)
+    counts = model.last_kept_counts.tolist()
+    assert (timing["kept_min"], timing["kept_max"]) == (min(counts), max(counts))
+    fixed_work = len(counts) * timing["k_fixed"] ** 2
+    assert timing["attention_work"] == pytest.approx(sum(n * n for n in counts) / fixed_work)
+    # Padded work: each input pays its bucket's longest count, so never less than unpadded.
+    assert timing["attention_work_padded"] >= timing["attention_work"]
 
 
 def test_cost_table_and_plot(tmp_path: Path) -> None:

@@ -180,7 +180,10 @@ def dqs_timing(
     """Time of a DQS forward vs the fixed-K' forward at its average kept count K'.
 
     Also times the selection itself (similarities, keep mask, positions, grouping) on
-    the cross-attention outputs of ``batch``, as a share of the full-Q forward.
+    the cross-attention outputs of ``batch``, as a share of the full-Q forward, and
+    reports the load-independent attention work of the mixed counts relative to the
+    fixed-K' batch: ``sum(n_i^2) / (B K'^2)``, and the same with every input padded to
+    its bucket's longest count.
     """
     model.eval()
     total = _total_queries(model)
@@ -193,6 +196,8 @@ def dqs_timing(
     mixed = model.cross.mix(queries, model.embed(batch))  # type: ignore[union-attr, operator]
 
     padding = float(getattr(model, "dqs_max_padding", 0.0))
+    buckets = bucket_counts(counts, max_padding=padding)
+    fixed_work = len(batch) * k_fixed**2
 
     def select() -> None:
         keep = select_queries(mixed, threshold, rule=rule)  # type: ignore[arg-type]
@@ -214,9 +219,13 @@ def dqs_timing(
         "rule": rule,
         "batch_size": len(batch),
         "kept_mean": k_avg,
+        "kept_min": int(counts.min()),
+        "kept_max": int(counts.max()),
         "groups": len(torch.unique(counts)),
-        "buckets": len(bucket_counts(counts, max_padding=padding)),
+        "buckets": len(buckets),
         "k_fixed": k_fixed,
+        "attention_work": float(counts.double().square().sum()) / fixed_work,
+        "attention_work_padded": sum(len(idx) * longest**2 for _, longest, idx in buckets) / fixed_work,
         **{f"ms_{name}": sec * 1e3 for name, sec in seconds.items()},
     }
     row["dqs_vs_fixed"] = row["ms_dqs"] / row["ms_fixed"]
