@@ -17,9 +17,11 @@ the figure is the median over runs.
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=1073741824 \\
         python benchmarks/bench_token_pooling.py --out runs/bench_token_pooling.jsonl
 
-Prints markdown tables and writes JSON lines to ``--out``. On a busy machine, wall-clock
-ratios mostly measure the scheduler (threads of a pooled model wait for each other on
-its many small ops); ``--clock cpu --threads 1`` times this process's CPU work instead.
+``--profile METHOD`` prints the profiler's operator table for one method's layer instead
+(where its time goes). Prints markdown tables and writes JSON lines to ``--out``. On a
+busy machine, wall-clock ratios mostly measure the scheduler (threads of a pooled model
+wait for each other on its many small ops); ``--clock cpu --threads 1`` times this
+process's CPU work instead.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from leanformer.bench.flops import count_gflops
 from leanformer.bench.results import write_jsonl
 from leanformer.bench.timing import time_interleaved
 from leanformer.layers.block import Block
-from leanformer.layers.token_pooling import build_reducers
+from leanformer.layers.token_pooling import build_reducers, list_methods
 from leanformer.models.registry import create_model
 
 CLUSTERING = {"kmeans", "kmedoids", "wkmeans", "wkmedoids"}
@@ -80,6 +82,36 @@ def bench_layer(args: argparse.Namespace) -> list[dict[str, Any]]:
         {"part": "layer", "name": k, "ms": v * 1e3, "fraction_of_block": v / t["block"]}
         for k, v in cost.items()
     ]
+
+
+def profile_layer(args: argparse.Namespace, method: str, calls: int = 5) -> str:
+    """Operator table (torch profiler, self CPU time) of ``calls`` calls of one pooling layer.
+
+    Same input as :func:`bench_layer`; ``# of Calls`` divided by ``calls`` gives the
+    number of times each operator runs per layer call (e.g. clustering iterations).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    B, N, C, K = args.batch, 197, 384, 98
+    block = Block(C, num_heads=6).eval()
+    x = torch.randn(B, N, C)
+    opts = {"max_iters": 5} if method in CLUSTERING else {}
+    reducer = build_reducers(
+        method=method, keep=[K], depth=1, num_tokens=N - 1, dim=C, grid_size=(14, 14), carry=True, **opts
+    )[0]
+    assert reducer is not None
+    reducer.eval()
+    with torch.inference_mode():
+        _, received = block.attn(block.norm1(x), need_received=True)
+        feats, _ = block(x)
+        tokens, scores = feats[:, 1:].contiguous(), received[:, 1:].contiguous()
+        for _ in range(args.warmup):
+            reducer(tokens, None, scores)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(calls):
+                reducer(tokens, None, scores)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
 
 
 def _model_rows(part: str, models: dict[str, nn.Module], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -168,12 +200,23 @@ def main() -> None:
         "the quiet-machine wall time when run with --threads 1",
     )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="METHOD",
+        help="print the profiler's operator table of 5 calls of this method's layer, then exit",
+    )
     p.add_argument("--out", default="runs/bench_token_pooling.jsonl")
     args = p.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.profile is not None:
+        if args.profile not in list_methods() or args.profile == "none":
+            p.error(f"--profile: unknown method {args.profile!r}; choose from {', '.join(list_methods())}")
+        print(profile_layer(args, args.profile))
+        return
     args.methods = [m for m in args.methods.split(",") if m]
     args.model_methods = [m for m in args.model_methods.split(",") if m]
     parts = args.parts.split(",")

@@ -231,6 +231,32 @@ def test_pairwise_sq_dists_matches_cdist() -> None:
     assert (pairwise_sq_dists(x) >= 0).all()
 
 
+def test_token_distances_are_exactly_symmetric_with_zero_diagonal() -> None:
+    from leanformer.ops.clustering import _symmetric_sq_dists
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 37, 384, generator=g) * 3 + 1
+    d = _symmetric_sq_dists(x)
+    assert torch.equal(d, d.transpose(1, 2))
+    assert torch.equal(d.diagonal(dim1=1, dim2=2), torch.zeros(4, 37))
+    ref = torch.cdist(x.double(), x.double()) ** 2
+    torch.testing.assert_close(d.double(), ref, rtol=1e-5, atol=1e-2)
+
+
+def test_two_member_tie_goes_to_the_lower_index_in_float32() -> None:
+    """Unweighted 2-member cluster: both members cost d(a, b), so the lower index wins."""
+    g = torch.Generator().manual_seed(2)
+    B, C = 64, 384
+    a = torch.randn(B, 1, C, generator=g)
+    b = a + 0.1 * torch.randn(B, 1, C, generator=g)
+    far = 10.0 + torch.randn(B, 1, C, generator=g)
+    x = torch.cat([a, b, far], dim=1)  # tokens 0 and 1 close together, token 2 far away
+    init = torch.tensor([[2, 1]]).expand(B, 2)  # token 0 joins medoid 1's cluster
+    plan = kmedoids_plan(x, 2, init=init, max_iters=1)
+    assert torch.equal(plan.medoids, torch.tensor([[2, 0]]).expand(B, 2))
+    assert torch.equal(plan.assign, torch.tensor([[1, 1, 0]]).expand(B, 3))
+
+
 def test_carry_sizes_make_pooling_duplicates_exact() -> None:
     """Pooling exact duplicates and carrying their count leaves attention unchanged (appendix E)."""
     g = torch.Generator().manual_seed(0)
