@@ -30,10 +30,10 @@ import argparse
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from leanformer.bench.flops import count_gflops
 from leanformer.bench.results import write_jsonl
@@ -49,28 +49,57 @@ ALLOCATOR = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD
 CLOCK: Callable[[], float] = time.perf_counter
 
 
-def bench_layer(args: argparse.Namespace) -> list[dict[str, Any]]:
+LAYER_SHAPE = {"tokens": 197, "dim": 384, "heads": 6, "keep": 98}  # DeiT-S at 224, K = N/2
+
+
+class LayerInputs(NamedTuple):
+    """One DeiT-S block, its input, and what a pooling layer after it gets."""
+
+    block: Block
+    x: Tensor  # block input [B, 197, 384]
+    tokens: Tensor  # block output without the class token [B, 196, 384]
+    scores: Tensor  # attention each of those tokens received [B, 196]
+
+
+def layer_inputs(batch: int) -> LayerInputs:
     torch.manual_seed(0)
-    B, N, C, K = args.batch, 197, 384, 98
-    block = Block(C, num_heads=6).eval()
-    x = torch.randn(B, N, C)
+    N, C = LAYER_SHAPE["tokens"], LAYER_SHAPE["dim"]
+    block = Block(C, num_heads=LAYER_SHAPE["heads"]).eval()
+    x = torch.randn(batch, N, C)
     with torch.inference_mode():
         _, received = block.attn(block.norm1(x), need_received=True)
         feats, _ = block(x)
-    tokens, scores = feats[:, 1:].contiguous(), received[:, 1:].contiguous()
+    assert received is not None
+    return LayerInputs(block, x, feats[:, 1:].contiguous(), received[:, 1:].contiguous())
+
+
+def pooling_layer(method: str) -> nn.Module:
+    """The layer of ``method`` keeping K=98 of the 196 patch tokens (5 clustering iterations)."""
+    opts = {"max_iters": 5} if method in CLUSTERING else {}
+    reducer = build_reducers(
+        method=method,
+        keep=[LAYER_SHAPE["keep"]],
+        depth=1,
+        num_tokens=LAYER_SHAPE["tokens"] - 1,
+        dim=LAYER_SHAPE["dim"],
+        grid_size=(14, 14),
+        carry=True,
+        **opts,
+    )[0]
+    assert reducer is not None
+    return reducer.eval()
+
+
+def bench_layer(args: argparse.Namespace) -> list[dict[str, Any]]:
+    block, x, tokens, scores = layer_inputs(args.batch)
     fns: dict[str, Callable[[], Any]] = {
         "block": lambda: block(x),
         "scores": lambda: block.attn(block.norm1(x), need_received=True),
         "block_fused_attn": lambda: block.attn(block.norm1(x)),
     }
     for method in args.methods:
-        opts = {"max_iters": 5} if method in CLUSTERING else {}
-        reducer = build_reducers(
-            method=method, keep=[K], depth=1, num_tokens=N - 1, dim=C, grid_size=(14, 14), carry=True, **opts
-        )[0]
-        assert reducer is not None
-        reducer.eval()
-        fns[method] = lambda r=reducer: r(tokens, None, scores)
+        layer = pooling_layer(method)
+        fns[method] = lambda r=layer: r(tokens, None, scores)
     with torch.inference_mode():
         t = time_interleaved(fns, warmup=args.warmup, runs=args.runs, clock=CLOCK)
     # "scores": the extra time of the unfused attention that also returns attention received.
@@ -92,20 +121,9 @@ def profile_layer(args: argparse.Namespace, method: str, calls: int = 5) -> str:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    B, N, C, K = args.batch, 197, 384, 98
-    block = Block(C, num_heads=6).eval()
-    x = torch.randn(B, N, C)
-    opts = {"max_iters": 5} if method in CLUSTERING else {}
-    reducer = build_reducers(
-        method=method, keep=[K], depth=1, num_tokens=N - 1, dim=C, grid_size=(14, 14), carry=True, **opts
-    )[0]
-    assert reducer is not None
-    reducer.eval()
+    _, _, tokens, scores = layer_inputs(args.batch)
+    reducer = pooling_layer(method)
     with torch.inference_mode():
-        _, received = block.attn(block.norm1(x), need_received=True)
-        feats, _ = block(x)
-        tokens, scores = feats[:, 1:].contiguous(), received[:, 1:].contiguous()
         for _ in range(args.warmup):
             reducer(tokens, None, scores)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
