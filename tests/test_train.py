@@ -103,3 +103,29 @@ def test_bad_training_options() -> None:
         fit(load_config(None, QUICK), progress=False, resume=True)
     with pytest.raises(ValueError, match="latent queries"):
         fit(load_config(None, {**QUICK, "train.query_masking": "true"}), progress=False)
+
+
+def test_cli_resume_uses_the_run_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`train --out RUN --resume` with no other flag continues the run as it was configured.
+
+    The run uses a non-default seed, learning rate, epoch count and model options; none of
+    them is repeated on the resume command line, yet the result equals the straight run.
+    """
+    from leanformer.cli import main
+
+    flags = {**QUICK, "seed": "3", "optim.lr": "0.003", "model_options.pool": "powerbert"}
+    flags["model_options.keep"] = "[24, 12, 6]"
+    cfg = load_config(None, flags)
+    fit(cfg, out_dir=tmp_path / "a", progress=False)
+    fit(cfg, out_dir=tmp_path / "b", progress=False, stop_after_epochs=1)
+    assert main(["train", "--out", str(tmp_path / "b"), "--resume", "--json"]) == 0
+    a, b = _strip_time(_history(tmp_path / "a")), _strip_time(_history(tmp_path / "b"))
+    assert len(a) == len(b) == 3
+    for row_a, row_b in zip(a, b):
+        for key in row_a:
+            assert row_a[key] == pytest.approx(row_b[key], rel=1e-6, abs=1e-9), key
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "missing"), "--resume"]) == 2
+    assert "no config.yaml" in capsys.readouterr().err
+    assert main(["train", "--resume", "--model", "deit_test"]) == 2
+    assert "--resume needs --out" in capsys.readouterr().err

@@ -37,11 +37,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distill-tau", type=float, help="distillation temperature")
     parser.add_argument("--out", default=None, help="run folder (default: runs/<model>)")
     parser.add_argument(
-        "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its last checkpoint, with the config saved in that "
+        "folder (flags given now override it)",
     )
 
 
-def build_config(args: argparse.Namespace) -> RunConfig:
+def build_config(args: argparse.Namespace, saved_config: Path | None = None) -> RunConfig:
+    """Defaults, then ``--config`` (or the ``saved_config`` of a run being resumed), then flags.
+
+    A resumed run keeps its own seed: ``--seed`` is not applied over a saved config.
+    """
     overrides: dict[str, Any] = {}
     if args.model:
         overrides["model"] = args.model
@@ -59,16 +66,29 @@ def build_config(args: argparse.Namespace) -> RunConfig:
         value = getattr(args, flag)
         if value is not None:
             overrides[key] = value
-    overrides["seed"] = args.seed
+    if saved_config is None:
+        overrides["seed"] = args.seed
     overrides["device"] = args.device
     overrides.update(dotted_overrides(args.extra))
-    return load_config(args.config, overrides)
+    return load_config(saved_config or args.config, overrides)
+
+
+def _saved_config(args: argparse.Namespace) -> Path | None:
+    """``--resume`` without ``--config``: the run folder's own ``config.yaml``."""
+    if not args.resume or args.config is not None:
+        return None
+    if not args.out:
+        raise ValueError("--resume needs --out, the folder of the run to continue")
+    saved = Path(args.out) / "config.yaml"
+    if not saved.is_file():
+        raise ValueError(f"--resume: {args.out} holds no run to continue (no config.yaml)")
+    return saved
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.engine.train import fit
 
-    cfg = build_config(args)
+    cfg = build_config(args, _saved_config(args))
     out = Path(args.out) if args.out else Path("runs") / cfg.model
     result = fit(cfg, out_dir=out, progress=not args.quiet and not args.json, resume=args.resume)
     if result.out_dir is None or not _is_main():
