@@ -87,6 +87,32 @@ def test_train_then_eval(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert evaluated["n"] == 32
 
 
+def test_progress_bars_only_on_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Text-mode train and eval draw bars on a terminal, none when stderr is captured."""
+    import io
+
+    run = tmp_path / "run"
+    train = ["train", "--model", "deit_test", "--img-size", "16", "--epochs", "1", "--out", str(run)]
+    train += ["--batch-size", "16", "--data.limit_train", "32", "--data.limit_test", "32"]
+    evaluate = ["eval", "--checkpoint", str(run / "last.safetensors"), "--data.limit_test", "32"]
+    assert main(train) == 0
+    assert main(evaluate) == 0
+    assert capsys.readouterr().err == ""  # captured stderr is not a terminal
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for argv, desc in ((evaluate, "eval"), ([*train, "--epochs", "2", "--resume"], "epoch 2")):
+        term = Terminal()
+        monkeypatch.setattr("sys.stderr", term)
+        assert main(argv) == 0
+        monkeypatch.undo()
+        assert desc in term.getvalue()
+
+
 def test_group_without_name_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["visualize"]) == 2
     assert "clusters" in capsys.readouterr().out

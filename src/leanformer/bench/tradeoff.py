@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 import yaml
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from leanformer.config import DataConfig, RunConfig, from_dict
+from leanformer.progress import progress_bar
 
 BASELINE = "none"
 
@@ -331,7 +331,7 @@ def run_sweep(
     rows: list[dict[str, Any]] = []
     jsonl = (out / "results.jsonl").open("w") if out is not None else None
     try:
-        bar = tqdm(sweep_points(cfg), desc=f"sweep {cfg.name}", disable=not progress)
+        bar = progress_bar(sweep_points(cfg), desc=f"sweep {cfg.name}", show=progress)
         for method, keep in bar:
             bar.set_postfix_str(f"{method} {budget_label(keep) if keep is not None else ''}".strip())
             torch.manual_seed(cfg.seed)

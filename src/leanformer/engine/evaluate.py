@@ -8,7 +8,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
+
+from leanformer.progress import progress_bar
 
 
 def to_device(inputs: Any, device: torch.device | str) -> Any:
@@ -48,7 +49,7 @@ def evaluate(
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
     try:
-        for inputs, target in tqdm(loader, desc=desc, disable=not progress, leave=False):
+        for inputs, target in progress_bar(loader, desc=desc, show=progress, leave=False):
             inputs, target = to_device(inputs, device), target.to(device)
             logits = call_model(model, inputs, **(forward_kwargs or {}))
             correct += (logits.argmax(dim=-1) == target).sum()

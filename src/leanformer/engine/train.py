@@ -20,7 +20,6 @@ import torch.nn.functional as F
 import yaml
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from tqdm.auto import tqdm
 
 from leanformer.config import RunConfig, to_dict
 from leanformer.data.loaders import eval_loader, train_loader
@@ -29,6 +28,7 @@ from leanformer.engine.checkpoint import atomic_write_bytes, load_checkpoint, sa
 from leanformer.engine.distributed import DistInfo, barrier, cleanup_distributed, setup_distributed
 from leanformer.engine.evaluate import call_model, evaluate, to_device
 from leanformer.engine.schedule import param_groups, warmup_cosine
+from leanformer.progress import progress_bar
 
 CHECKPOINT_NAME = "last.safetensors"
 
@@ -217,13 +217,13 @@ def fit(
             end_epoch = min(end_epoch, start_epoch + stop_after_epochs)
         show = progress and dist_info.is_main
         metrics: dict[str, float] = history[-1] if history else {}
-        epochs = tqdm(range(start_epoch, end_epoch), desc="epochs", disable=None if show else True)
+        epochs = progress_bar(range(start_epoch, end_epoch), desc="epochs", show=show)
         for epoch in epochs:
             loader.batch_sampler.set_epoch(epoch)  # type: ignore[union-attr]
             train_model.train()
             started = time.perf_counter()
             loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            batches = tqdm(loader, desc=f"epoch {epoch + 1}", leave=False, disable=None if show else True)
+            batches = progress_bar(loader, desc=f"epoch {epoch + 1}", show=show, leave=False)
             for step, (inputs, target) in enumerate(batches):
                 inputs, target = to_device(inputs, device), target.to(device)
                 kwargs = sample_kwargs() if sample_kwargs is not None else {}
