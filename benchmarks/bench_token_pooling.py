@@ -253,7 +253,7 @@ def main() -> None:
     if "layer" in parts:
         layer = bench_layer(args)
         rows += layer
-        print("\n### One pooling layer vs one DeiT-S block (B=32, N=197, C=384, K=98, 5 iters)\n")
+        print(f"\n### One pooling layer vs one DeiT-S block (B={args.batch}, N=197, C=384, K=98, 5 iters)\n")
         print(_table(layer, ["name", "ms", "fraction_of_block"]))
     cols = ["name", "keep", "gflops", "flops_ratio", "img_per_s", "speedup", "speedup_over_flops_ratio"]
     if "deit_small" in parts:

@@ -224,3 +224,25 @@ def test_apply_token_pooling_methods(method: str) -> None:
         feats = model.forward_features(x)
     assert (same - ref).abs().max() < 1e-5
     assert feats.shape[1] == 2 + 3 and torch.isfinite(feats).all()
+
+
+def test_create_timm_model_errors_and_local_weights(tmp_path) -> None:
+    from leanformer.patch.timm import create_timm_model
+
+    with pytest.raises(ValueError, match=r"unknown timm model 'deit_smal_patch16_224'.*mean deit_small"):
+        create_timm_model("deit_smal_patch16_224")
+    with pytest.raises(ValueError, match="local file"):
+        create_timm_model("deit_tiny_patch16_224", pretrained=True)
+    torch.manual_seed(0)
+    # timm re-initialises the head when num_classes differs from its config's, so keep 1000.
+    source = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=32)
+    path = tmp_path / "weights.pth"
+    torch.save(source.state_dict(), path)
+    loaded = create_timm_model(
+        "deit_tiny_patch16_224",
+        pretrained=True,
+        pretrained_cfg_overlay={"file": str(path)},
+        img_size=32,
+    )
+    for (name, a), b in zip(source.state_dict().items(), loaded.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)

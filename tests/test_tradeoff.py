@@ -242,6 +242,7 @@ def test_visualize_command_writes_pngs(tmp_path: Path) -> None:
         no_carry=False,
         data="digits",
         data_root=None,
+        img_size=None,
         num_examples=2,
         out=str(tmp_path),
         device="cpu",
@@ -254,6 +255,20 @@ def test_visualize_command_writes_pngs(tmp_path: Path) -> None:
     assert all(Path(r["png"]).read_bytes()[:4] == b"\x89PNG" for r in rows)
     with pytest.raises(ValueError, match="--layer must be in"):
         visualize_clusters.run(argparse.Namespace(**{**vars(args), "layer": 7}))
+    sized = visualize_clusters.run(argparse.Namespace(**{**vars(args), "img_size": 48, "num_examples": 1}))
+    assert sized[0]["tokens"] == 36  # 144 patches at 48x48 -> 72 -> 36
+
+
+def test_visualize_timm_model_uses_its_input_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from leanformer.cli import main
+
+    argv = ["visualize", "clusters", "--timm-model", "vit_tiny_patch16_224", "--method", "merge"]
+    argv += ["--keep", "0.5", "--layer", "0", "--num-examples", "1", "--out", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["tokens"] == 98  # digits resized to 224: 14 x 14 = 196 patches, halved once
+    assert main(["visualize", "clusters", "--timm-model", "vit_tiny_patch16_22"]) == 2
+    assert "did you mean vit_tiny_patch16_224" in capsys.readouterr().err
 
 
 def test_registry_models_take_pooling() -> None:

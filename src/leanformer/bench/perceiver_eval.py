@@ -234,8 +234,10 @@ def dqs_timing(
 
 
 def _fmt(value: Any) -> str:
+    # Values below 1 (GMACs of small models, ratios) keep 4 significant digits; 2 decimals
+    # would print e.g. 0.0123 GMACs as 0.01.
     if isinstance(value, float):
-        return "-" if math.isnan(value) else f"{value:.4g}" if abs(value) < 1e-2 else f"{value:.2f}"
+        return "-" if math.isnan(value) else f"{value:.4g}" if abs(value) < 1 else f"{value:.2f}"
     if isinstance(value, list):
         return ", ".join(_fmt(v) for v in value)
     return str(value)

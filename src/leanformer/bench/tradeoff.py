@@ -159,10 +159,9 @@ def load_base_model(cfg: SweepConfig, *, out_dir: Path | None = None, progress: 
 
         return load_model(cfg.checkpoint, device=cfg.device)
     if cfg.timm_model:
-        import timm
+        from leanformer.patch.timm import create_timm_model
 
-        options = {"pretrained": False, **cfg.timm_options}
-        return timm.create_model(cfg.timm_model, **options).to(cfg.device)
+        return create_timm_model(cfg.timm_model, **cfg.timm_options).to(cfg.device)
     assert cfg.model is not None
     run_cfg = base_run_config(cfg)
     if cfg.train:

@@ -90,7 +90,12 @@ def run(args: argparse.Namespace) -> list[dict]:
             kept_max=counts.max().item(),
         )
     if not args.json:
-        extra = f", kept queries {row['kept_mean']:.1f} ± {row['kept_std']:.1f}" if kept else ""
+        extra = (
+            f", kept queries {row['kept_mean']:.1f} ± {row['kept_std']:.1f} "
+            f"(min {int(row['kept_min'])}, max {int(row['kept_max'])})"
+            if kept
+            else ""
+        )
         print(
             f"{row['model']} on {cfg.data.name}/{args.split}: top-1 {row['top1']:.2f}% "
             f"(loss {row['loss']:.4f}, n={int(row['n'])}){extra}"

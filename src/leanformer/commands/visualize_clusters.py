@@ -120,6 +120,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-carry", action="store_true", help="do not carry token sizes")
     parser.add_argument("--data", default="digits", help="dataset to draw examples from (default: digits)")
     parser.add_argument("--data-root", help="dataset folder (cifar10 / imagefolder)")
+    parser.add_argument(
+        "--img-size",
+        type=int,
+        default=None,
+        help="resize the examples to this size (default: the dataset's own; with --timm-model, the "
+        "model's input size, e.g. 224, so that its patch grid is the one it was designed for)",
+    )
     parser.add_argument("--num-examples", type=int, default=4)
     parser.add_argument("--out", default="runs/clusters", help="output folder for the PNGs")
 
@@ -130,11 +137,10 @@ def _load(args: argparse.Namespace, info: Any) -> nn.Module:
 
         return load_model(args.checkpoint, device=args.device)
     if args.timm_model:
-        import timm
+        from leanformer.patch.timm import create_timm_model
 
-        return timm.create_model(
+        return create_timm_model(
             args.timm_model,
-            pretrained=False,
             num_classes=info.num_classes,
             in_chans=info.in_chans,
             img_size=info.img_size,
@@ -142,6 +148,23 @@ def _load(args: argparse.Namespace, info: Any) -> nn.Module:
     from leanformer.engine.builders import build_model
 
     return build_model(args.model or "deit_digits", {}, info)[0]
+
+
+def _img_size(args: argparse.Namespace) -> int | None:
+    """The example size: ``--img-size``, else a timm model's own input size, else None (dataset's)."""
+    if args.img_size is not None:
+        if args.img_size < 1:
+            raise ValueError(f"--img-size must be >= 1, got {args.img_size}")
+        return args.img_size
+    if args.timm_model:
+        from timm.models import get_pretrained_cfg_value
+
+        try:
+            size = get_pretrained_cfg_value(args.timm_model, "input_size")
+        except RuntimeError:  # not a timm model name: create_timm_model says so below
+            return None
+        return int(size[-1]) if size else None
+    return None
 
 
 def _to_image(x: Tensor) -> Any:
@@ -159,7 +182,10 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     if args.num_examples < 1:
         raise ValueError(f"--num-examples must be >= 1, got {args.num_examples}")
-    options = {"root": args.data_root} if args.data_root else {}
+    options: dict[str, Any] = {"root": args.data_root} if args.data_root else {}
+    img_size = _img_size(args)
+    if img_size is not None:
+        options["img_size"] = img_size
     data = build_dataset(args.data, split="test", **options)
     torch.manual_seed(args.seed)
     base = _load(args, data.info).to(args.device).eval()

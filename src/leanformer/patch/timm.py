@@ -18,6 +18,7 @@ installed timm version, instead of silently computing something different.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from typing import Any
 
@@ -162,6 +163,27 @@ class PooledBlocks(nn.Sequential):
                 blk, x, sizes, pooling.reducer(i), pooling.num_prefix, pooling.reduce_at
             )
         return x
+
+
+def create_timm_model(name: str, **kwargs: Any) -> nn.Module:
+    """``timm.create_model(name, pretrained=False, **kwargs)`` with clear errors; never downloads.
+
+    An unknown name raises a ValueError with close matches. Pretrained weights are read
+    only from a local file (``pretrained=True, pretrained_cfg_overlay={"file": PATH}``):
+    a plain ``pretrained=True`` would try the network, which leanformer never uses.
+    """
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"unknown timm model {name!r} (timm {timm.__version__}){hint}")
+    kwargs.setdefault("pretrained", False)
+    overlay = kwargs.get("pretrained_cfg_overlay") or {}
+    if kwargs["pretrained"] and "file" not in overlay:
+        raise ValueError(
+            "pretrained timm weights are read only from a local file: pass "
+            "pretrained_cfg_overlay={'file': PATH} (nothing is downloaded)"
+        )
+    return timm.create_model(name, **kwargs)
 
 
 def _check_supported(model: nn.Module) -> None:
