@@ -63,3 +63,16 @@ def test_boolean_mask_blocks_keys() -> None:
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(fused, ref)
     assert torch.all(received[:, -2:] == 0)
+
+
+def test_mask_broadcasting_beyond_the_logits_with_scores() -> None:
+    """A mask with a larger batch than q/k/v broadcasts (the in-place bias add must not break it)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(3, 1, 1, 5, generator=g, dtype=torch.float64)
+    out, received = attention(q, k, v, attn_mask=bias, return_received=True)
+    expanded = [t.expand(3, -1, -1, -1) for t in (q, k, v)]
+    ref_out, ref_received = attention(*expanded, attn_mask=bias, return_received=True)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(received, ref_received)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(*expanded, attn_mask=bias))

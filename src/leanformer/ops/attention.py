@@ -63,7 +63,10 @@ def attention(
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     logits = (q * scale) @ k.transpose(-2, -1)
     if mask is not None:
-        logits = logits + mask
+        # In place when the mask broadcasts to the logits (the usual case): one [B, H, N, N]
+        # buffer less (the matmul's backward does not need its output).
+        fits = torch.broadcast_shapes(logits.shape, mask.shape) == logits.shape
+        logits = logits.add_(mask) if fits else logits + mask
     probs = logits.softmax(dim=-1)
     # Scores come from the probabilities before dropout: dropout is a training-time
     # perturbation, not part of what the token "received".
