@@ -225,18 +225,22 @@ def test_trains_on_digits_pairs_through_the_engine(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_demo_command_smoke(capsys) -> None:
+def test_demo_command_smoke(capsys, tmp_path) -> None:
     import argparse
+    import json
 
     from leanformer.commands import demo_drrt
 
     args = argparse.Namespace(
         epochs=1, lr=1e-3, batch_size=16, models="points_only", limit_train=32, limit_test=16,
-        seed=0, device="cpu", threads=None, quiet=True, json=False,
+        seed=0, device="cpu", threads=None, quiet=True, json=False, out=str(tmp_path),
     )  # fmt: skip
     rows = demo_drrt.run(args)
     assert [r["model"] for r in rows] == ["drrt_points_only"] and rows[0]["params"] > 0
     assert "| drrt_points_only | points | yes | - |" in capsys.readouterr().out
+    saved = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert saved == rows
+    assert "| drrt_points_only | points | yes | - |" in (tmp_path / "table.md").read_text()
     args.models = "drrt,nope"
     with pytest.raises(ValueError, match="unknown --models entry nope"):
         demo_drrt.run(args)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
+
+from leanformer.bench.results import write_jsonl
 
 COMMAND = ("demo", "drrt")
 HELP = "DRRT vs DRT vs single modalities vs fusion methods on the paired digits task (accuracy, params)"
@@ -34,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--limit-test", type=int, default=None, help="use the first N test pairs (smoke runs)"
+    )
+    parser.add_argument(
+        "--out", default="runs/demo_drrt", help="folder for results.jsonl and table.md (default: %(default)s)"
     )
 
 
@@ -92,12 +98,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "train_seconds": seconds,
             }
         )
+    caption = (
+        f"(digits_pairs test split, {args.epochs} epochs, batch {args.batch_size}, lr {args.lr}, "
+        f"seed {args.seed})"
+    )
+    out = Path(args.out)
+    write_jsonl(rows, out / "results.jsonl")
+    (out / "table.md").write_text(f"{table(rows)}\n{caption}\n")
     if not args.json:
         print(table(rows))
-        print(
-            f"(digits_pairs test split, {args.epochs} epochs, batch {args.batch_size}, lr {args.lr}, "
-            f"seed {args.seed})"
-        )
+        print(caption)
+        print(f"results: {out / 'results.jsonl'}, table: {out / 'table.md'}")
     return rows
 
 
