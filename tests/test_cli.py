@@ -123,3 +123,25 @@ def test_demo_group_has_a_default() -> None:
 
     args = build_parser().parse_args(["demo"])
     assert args._module.COMMAND == ("demo", "tokenpool")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_or_bad_device_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--model", "deit_test", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "leanformer: error: --device cuda: no cuda device is available on this machine"
+    )
+    assert main(["bench", "--model", "deit_test", "--device", "gpu"]) == 2
+    assert "is not a torch device" in capsys.readouterr().err
+
+
+def test_unexpected_errors_are_one_line_unless_asked(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = ["bench", "--model", "deit_test", "--opt", "num_heads=0", "--runs", "1"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("leanformer: error: ZeroDivisionError:")
+    monkeypatch.setenv("LEANFORMER_TRACEBACK", "1")
+    with pytest.raises(ZeroDivisionError):
+        main(argv)

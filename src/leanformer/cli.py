@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from types import ModuleType
 from typing import Any
@@ -71,6 +72,29 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def check_device(device: str) -> None:
+    """A clear error for a device string torch cannot parse or this machine does not have."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if dev.type == "cpu":
+        return
+    module = getattr(torch, dev.type, None)
+    available = getattr(module, "is_available", None)
+    if available is None or not available():
+        raise ValueError(f"--device {device}: no {dev.type} device is available on this machine")
+    count = getattr(module, "device_count", None)
+    if dev.index is not None and count is not None and dev.index >= count():
+        raise ValueError(f"--device {device}: this machine has {count()} {dev.type} device(s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -93,21 +117,31 @@ def main(argv: list[str] | None = None) -> int:
             if args.threads < 1:
                 raise ValueError(f"--threads must be >= 1, got {args.threads}")
             torch.set_num_threads(args.threads)
+        if hasattr(args, "device"):
+            check_device(args.device)
         results = module.run(args)
     except KeyboardInterrupt:
         print("leanformer: interrupted", file=sys.stderr)
         return 130
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"leanformer: error: {message}", file=sys.stderr)
+        print(f"leanformer: error: {_first_line(exc)}", file=sys.stderr)
         return 2
-    except RuntimeError as exc:
+    except Exception as exc:
         from leanformer.engine.train import NonFiniteLossError
 
         if isinstance(exc, NonFiniteLossError):
             print(f"leanformer: {exc}", file=sys.stderr)
             return 1
-        raise
+        if os.environ.get("LEANFORMER_TRACEBACK"):
+            raise
+        # Anything else (torch, PIL, the file system) is reported in one line, with the
+        # exception type, rather than as a traceback; LEANFORMER_TRACEBACK=1 shows it.
+        print(
+            f"leanformer: error: {type(exc).__name__}: {_first_line(exc)} "
+            "(set LEANFORMER_TRACEBACK=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
     if args.json:
         for row in results or []:
             print(json.dumps(_jsonable(row)))
