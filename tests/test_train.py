@@ -101,6 +101,14 @@ def test_bad_training_options() -> None:
         fit(load_config(None, {**QUICK, "optim.epochs": "0"}), progress=False)
     with pytest.raises(ValueError, match="resume needs"):
         fit(load_config(None, QUICK), progress=False, resume=True)
+    for key, value in (
+        ("optim.min_lr", "-1"),
+        ("optim.weight_decay", "-0.1"),
+        ("optim.warmup_epochs", "-1"),
+        ("data.eval_batch_size", "0"),
+    ):
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            fit(load_config(None, {**QUICK, key: value}), progress=False)
     with pytest.raises(ValueError, match="latent queries"):
         fit(load_config(None, {**QUICK, "train.query_masking": "true"}), progress=False)
 

@@ -52,6 +52,15 @@ def _validate(cfg: RunConfig) -> None:
         raise ValueError(f"optim.epochs must be >= 1, got {o.epochs}")
     if o.lr <= 0:
         raise ValueError(f"optim.lr must be > 0, got {o.lr}")
+    # A negative floor or decay would silently turn descent into ascent for some steps.
+    if o.min_lr < 0:
+        raise ValueError(f"optim.min_lr must be >= 0, got {o.min_lr}")
+    if o.weight_decay < 0:
+        raise ValueError(f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+    if o.warmup_epochs < 0:
+        raise ValueError(f"optim.warmup_epochs must be >= 0, got {o.warmup_epochs}")
+    if d.eval_batch_size < 1:
+        raise ValueError(f"data.eval_batch_size must be >= 1, got {d.eval_batch_size}")
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ValueError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
     if t.grad_clip is not None and t.grad_clip <= 0:
