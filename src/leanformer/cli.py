@@ -117,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.threads < 1:
                 raise ValueError(f"--threads must be >= 1, got {args.threads}")
             torch.set_num_threads(args.threads)
-        if hasattr(args, "device"):
-            check_device(args.device)
+        check_device(args.device)  # every command has the common --device option
         results = module.run(args)
     except KeyboardInterrupt:
         print("leanformer: interrupted", file=sys.stderr)

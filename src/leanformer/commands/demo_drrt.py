@@ -55,10 +55,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
     if args.epochs < 1 or args.batch_size < 1 or args.lr <= 0:
         raise ValueError("--epochs and --batch-size must be >= 1 and --lr > 0")
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
     verbose = not args.quiet and not args.json
     rows = []
     for key in keys:
