@@ -292,3 +292,28 @@ def test_bad_inputs_raise() -> None:
         init_centers(w, 2, num_tokens=6, batch=2, mode="kmeans++")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs scores"):
         init_centers(None, 2, num_tokens=6, batch=2)
+
+
+def test_assignment_ties_go_to_the_first_medoid_in_medoid_order() -> None:
+    from leanformer.ops.clustering import _assign_to_medoids, _symmetric_sq_dists
+
+    # Token 0 is exactly as far from token 1 as from token 2.
+    x = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [-1.0, 0.0]]])
+    d = _symmetric_sq_dists(x)
+    assert torch.equal(_assign_to_medoids(d, torch.tensor([[2, 1]])), torch.tensor([[0, 1, 0]]))
+    assert torch.equal(_assign_to_medoids(d, torch.tensor([[1, 2]])), torch.tensor([[0, 0, 1]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_assignment_equals_argmin_over_medoid_columns(dtype: torch.dtype) -> None:
+    """Against plain argmin (first minimum), with K > 256 so bfloat16 could not count the medoids."""
+    from leanformer.ops.clustering import _assign_to_medoids, _symmetric_sq_dists
+
+    g = torch.Generator().manual_seed(3)
+    B, N, K = 2, 600, 300
+    x = torch.randn(B, N, 4, generator=g).round().to(dtype)  # integer grid: many exact ties
+    medoids = torch.rand(B, N, generator=g).topk(K, dim=1).indices
+    d = _symmetric_sq_dists(x)
+    expected = d.gather(2, medoids[:, None, :].expand(B, N, K)).argmin(dim=2)
+    expected.scatter_(1, medoids, torch.arange(K).expand(B, K))
+    assert torch.equal(_assign_to_medoids(d, medoids), expected)

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         gsub = gparser.add_subparsers(dest="name", metavar="NAME", parser_class=_Parser)
         for module in modules:
             sub = gsub.add_parser(module.COMMAND[1], help=module.HELP, description=module.HELP)
-            add_common_arguments(sub)
+            add_common_arguments(sub, inherit=True)
             module.add_arguments(sub)
             sub.set_defaults(_module=module)
     return parser

@@ -16,6 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
+from leanformer.bench.plots import save_figure
 from leanformer.engine.evaluate import to_device
 
 
@@ -69,9 +70,4 @@ def save_attention_grid(
             ax.set_title(f"q{i}", fontsize=7, pad=2)
         else:
             ax.axis("off")
-    if title:
-        fig.suptitle(title, fontsize=10)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return save_figure(fig, path, title, dpi=110, title_size=10)

@@ -50,13 +50,21 @@ def style_accuracy_axis(ax: Any, xlabel: str, *, legend: bool, legend_loc: str) 
         ax.legend(fontsize=8, loc=legend_loc)
 
 
-def save_figure(fig: Any, path: str | Path, title: str | None = None) -> Path:
-    """Give ``fig`` its title and write it to ``path`` (folders created), 120 dpi."""
+def save_figure(
+    fig: Any, path: str | Path, title: str | None = None, *, dpi: int = 120, title_size: float | None = None
+) -> Path:
+    """Give ``fig`` its title and write it to ``path`` (folders created); returns the file written.
+
+    A path without a suffix gets ``.png`` (matplotlib would add it anyway, and the
+    caller reports the returned path); any other suffix picks matplotlib's format.
+    """
     if title:
-        fig.suptitle(title)
+        fig.suptitle(title, fontsize=title_size)
     path = Path(path)
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     return path
 
 
@@ -117,9 +125,4 @@ def plot_cluster_maps(
     for ax in (ax0, ax1):
         ax.set_xticks([])
         ax.set_yticks([])
-    if title:
-        fig.suptitle(title, fontsize=10)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return path
+    return save_figure(fig, path, title, dpi=110, title_size=10)

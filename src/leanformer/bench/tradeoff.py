@@ -205,16 +205,36 @@ def with_method(
     return _apply_to_leanformer(model, method, keep, carry=carry, options=options)
 
 
+def check_poolable(cls: type[nn.Module]) -> None:
+    """Token pooling needs blocks that run on patch tokens: a DeiT (or a timm ViT, patched).
+
+    A Perceiver's blocks, say, run on its latent queries, which have no token grid and
+    must not be pooled as if they did.
+    """
+    from leanformer.models.deit import DeiT
+
+    if not issubclass(cls, DeiT):
+        raise ValueError(
+            f"token pooling applies to DeiT models and timm ViT/DeiT, not to {cls.__name__}"
+            + (
+                " (`leanformer perceiver-eval` sweeps its number of queries)"
+                if "Perceiver" in cls.__name__
+                else ""
+            )
+        )
+
+
 def _apply_to_leanformer(
     model: nn.Module, method: str, keep: Any, *, carry: bool, options: dict[str, Any]
 ) -> nn.Module:
     from leanformer.layers.block import Block
     from leanformer.layers.token_pooling import build_reducers
+    from leanformer.models.deit import DeiT
 
-    blocks = getattr(model, "blocks", None)
-    grid = getattr(model, "grid_size", None)
-    if blocks is None or grid is None or not all(isinstance(b, Block) for b in blocks):
-        raise ValueError(f"{type(model).__name__} has no leanformer Blocks with a token grid to pool")
+    check_poolable(type(model))
+    assert isinstance(model, DeiT)
+    blocks, grid = model.blocks, model.grid_size
+    assert all(isinstance(b, Block) for b in blocks)
     reducers = build_reducers(
         method=method,
         keep=keep,
@@ -314,6 +334,10 @@ def run_sweep(
     from leanformer.engine.builders import build_split
 
     validate(cfg)
+    if base is None and cfg.model is not None:
+        from leanformer.models.registry import model_info
+
+        check_poolable(model_info(cfg.model).cls)  # before training it
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

@@ -26,12 +26,31 @@ import pkgutil
 from types import ModuleType
 
 
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object per result on stdout")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars or chatter")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+def add_common_arguments(parser: argparse.ArgumentParser, *, inherit: bool = False) -> None:
+    """The options every command takes.
+
+    ``inherit``: for a command inside a group (``visualize enact``), options not given
+    after the command name keep the value given after the group name
+    (``leanformer visualize --json enact``) instead of being reset to their defaults.
+    """
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if inherit else value
+
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=default(False),
+        help="print one JSON object per result on stdout",
+    )
+    parser.add_argument(
+        "--quiet", action="store_true", default=default(False), help="no progress bars or chatter"
+    )
+    parser.add_argument("--device", default=default("cpu"), help="torch device (default: cpu)")
+    parser.add_argument("--seed", type=int, default=default(0), help="random seed (default: 0)")
+    parser.add_argument(
+        "--threads", type=int, default=default(None), help="torch intra-op threads (default: torch's)"
+    )
 
 
 def discover() -> list[ModuleType]:

@@ -21,6 +21,17 @@ def parse_size(text: str) -> tuple[int, int]:
     return h, w
 
 
+def positive_int(text: str) -> int:
+    """An integer >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parse_keep(text: str) -> Any:
     """A preset name (``deit_s_level3``), a ratio (``0.5``) or a list (``64,32,16`` / ``[64, 32]``)."""
     value = parse_scalar(text)
@@ -102,8 +113,8 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("data")
     group.add_argument("--data", help="dataset name (digits, cifar10, imagefolder, digits_pairs, ...)")
     group.add_argument("--data-root", help="local folder for datasets read from disk")
-    group.add_argument("--img-size", type=int, help="input image size")
-    group.add_argument("--batch-size", type=int, help="batch size")
+    group.add_argument("--img-size", type=positive_int, help="input image size")
+    group.add_argument("--batch-size", type=positive_int, help="batch size")
 
 
 def data_overrides(args: argparse.Namespace) -> dict[str, Any]:

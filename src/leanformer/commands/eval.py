@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import torch
@@ -35,10 +36,20 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
 
     overrides = {**data_overrides(args), **dotted_overrides(args.extra)}
     if args.checkpoint:
+        given = [flag for flag, value in (("--model", args.model), ("--config", args.config)) if value]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} cannot be combined with --checkpoint: the checkpoint names its "
+                "model and config (change the model with --pool/--keep/--opt KEY=VALUE)"
+            )
         meta = load_checkpoint(args.checkpoint).meta
         cfg = from_dict(RunConfig, meta["config"])
         cfg = apply_overrides(cfg, overrides) if overrides else cfg
-        model = load_model(args.checkpoint, device=args.device, **model_options(args))
+        # --model_options.KEY VALUE applies to the rebuilt model, like --opt KEY=VALUE.
+        dotted = [key.split(".", 1)[1] for key in overrides if key.startswith("model_options.")]
+        options = {**{key: cfg.model_options[key] for key in dotted}, **model_options(args)}
+        model = load_model(args.checkpoint, device=args.device, **options)
+        _warn_untrained(model)
         return cfg, model
     if not args.model:
         raise ValueError("give --checkpoint PATH (a trained run) or --model NAME")
@@ -49,6 +60,21 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
     torch.manual_seed(args.seed)
     model, _ = build_model(cfg.model, {**cfg.model_options, **model_options(args)}, info)
     return cfg, model.to(args.device)
+
+
+def _warn_untrained(model: torch.nn.Module) -> None:
+    """Say which parameters an option added that the checkpoint cannot fill (they stay random)."""
+    missing: list[str] = getattr(model, "leanformer_missing_keys", [])
+    if not missing:
+        return
+    # Group by module: "blocks.7.attn.qkv.weight" -> "blocks.7".
+    modules = sorted({".".join(key.split(".")[:2]) for key in missing})
+    shown = ", ".join(modules[:6]) + (", ..." if len(modules) > 6 else "")
+    print(
+        f"leanformer: warning: {len(missing)} tensors are not in the checkpoint and keep their "
+        f"initial (untrained) values: {shown}",
+        file=sys.stderr,
+    )
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -68,7 +94,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     kwargs = forward_kwargs(args)
     metrics = evaluate(
         model,
-        eval_loader(dataset, batch_size=cfg.data.eval_batch_size),
+        eval_loader(dataset, batch_size=args.batch_size or cfg.data.eval_batch_size),
         forward_kwargs=kwargs,
         device=args.device,
         progress=not args.quiet and not args.json,

@@ -16,6 +16,7 @@ from leanformer.commands.demo_perceiver import _floats, _ints
 from leanformer.commands.visualize_perceiver import load_perceiver
 
 COMMAND = ("perceiver-eval",)
+DEFAULT_KS = "1,2,4,8,16,32,48,64"
 HELP = "Visual Perceiver tables: accuracy / GMACs / time per query count, random baseline, DQS sweep"
 
 
@@ -24,7 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="a registered Perceiver (untrained) when no checkpoint is given")
     parser.add_argument("--split", default="test", choices=("train", "test"))
     parser.add_argument("--limit", type=int, help="evaluate on the first N images only")
-    parser.add_argument("--ks", type=_ints, default=_ints("1,2,4,8,16,32,48,64"), help="query counts")
+    parser.add_argument(
+        "--ks",
+        type=_ints,
+        default=None,
+        help=f"query counts (default {DEFAULT_KS}, those up to the model's query count)",
+    )
     parser.add_argument(
         "--thresholds", type=_floats, default=_floats("0.6,0.65,0.7,0.8,0.9,0.99"), help="DQS thresholds"
     )
@@ -34,6 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=5, help="timed runs per K")
     parser.add_argument("--out", default="runs/perceiver_eval", help="folder for results.jsonl and plots")
     add_data_arguments(parser)
+
+
+def _query_counts(given: list[int] | None, total: int) -> list[int]:
+    """The default list up to the model's ``Q``; a list the user gave must fit entirely."""
+    if given is None:
+        return [k for k in _ints(DEFAULT_KS) if k <= total] or [total]
+    too_many = [k for k in given if k > total]
+    if too_many:
+        raise ValueError(f"--ks {too_many} exceed the model's {total} latent queries")
+    return given
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -55,10 +71,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.reps < 0 or args.time_batch < 0 or args.runs < 1:
         raise ValueError("--reps and --time-batch must be >= 0 and --runs >= 1")
     model, dataset = load_perceiver(args, split=args.split)
-    loader = eval_loader(dataset, batch_size=256)
-    acc = accuracy_by_k(model, loader, args.ks, device=args.device)
+    ks = _query_counts(args.ks, model.num_queries)
+    loader = eval_loader(dataset, batch_size=args.batch_size or 256)
+    acc = accuracy_by_k(model, loader, ks, device=args.device)
     base = (
-        random_subset_accuracy(model, loader, args.ks, reps=args.reps, seed=args.seed, device=args.device)
+        random_subset_accuracy(model, loader, ks, reps=args.reps, seed=args.seed, device=args.device)
         if args.reps
         else []
     )
@@ -67,7 +84,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         first = dataset[0][0]
         g = torch.Generator().manual_seed(args.seed)
         batch = torch.randn(args.time_batch, *first.shape, generator=g).to(args.device)
-        cost = cost_by_k(model, args.ks, batch=batch, runs=args.runs)
+        cost = cost_by_k(model, ks, batch=batch, runs=args.runs)
     dqs = dqs_sweep(model, loader, args.thresholds, rule=args.dqs_rule, device=args.device)
 
     by_k = {r["k"]: r for r in cost}

@@ -88,6 +88,20 @@ def _saved_config(args: argparse.Namespace) -> Path | None:
 def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.engine.train import fit
 
+    call_time = [
+        flag
+        for flag, value in (
+            ("--num-queries", args.num_queries),
+            ("--dqs-threshold", args.dqs_threshold),
+            ("--dqs-rule", args.dqs_rule),
+        )
+        if value is not None
+    ]
+    if call_time:
+        raise ValueError(
+            f"train does not take {', '.join(call_time)} (evaluation options of eval/bench); "
+            "a Perceiver trains for every query count with --query-masking"
+        )
     cfg = build_config(args, _saved_config(args))
     out = Path(args.out) if args.out else Path("runs") / cfg.model
     result = fit(cfg, out_dir=out, progress=not args.quiet and not args.json, resume=args.resume)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from leanformer.layers.enact_attention import EntropyClusteredAttention
-from leanformer.ops.entropy_map import curvature_signs
+from leanformer.ops.entropy_map import check_sigma, curvature_signs
 from leanformer.ops.regions import plan_from_signs
 
 COMMAND = ("visualize", "enact")
@@ -97,8 +97,7 @@ def _attention(args: argparse.Namespace, d_model: int) -> EntropyClusteredAttent
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    if args.sigma < 0:
-        raise ValueError(f"--sigma must be >= 0, got {args.sigma}")
+    check_sigma(args.sigma)
     stem = conv_stem(args.stride, 256, args.seed).eval()
     image, name = load_image(args)
     attn = _attention(args, 256).eval()
@@ -114,8 +113,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         signs = curvature_signs(entropy.view(1, H, W), sigma=attn.sigma)
         plan = plan_from_signs(signs.view(1, H * W))
     regions = plan.region_id.view(H, W)
-    out = Path(args.out)
-    _plot(image, entropy.view(H, W), signs[0], regions, out, title=f"{name}: {H}x{W} features")
+    title = f"{name}: {H}x{W} features"
+    out = _plot(image, entropy.view(H, W), signs[0], regions, Path(args.out), title=title)
     L = int(plan.counts[0])
     row = {
         "image": name,
@@ -134,11 +133,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [row]
 
 
-def _plot(image: Tensor, entropy: Tensor, signs: Tensor, regions: Tensor, out: Path, *, title: str) -> None:
+def _plot(image: Tensor, entropy: Tensor, signs: Tensor, regions: Tensor, out: Path, *, title: str) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from leanformer.bench.plots import save_figure
 
     H, W = regions.shape
     # Regions are row-major runs: each is a horizontal segment of one row (or wraps from
@@ -170,6 +171,6 @@ def _plot(image: Tensor, entropy: Tensor, signs: Tensor, regions: Tensor, out: P
         ax.set_yticks([])
     fig.suptitle(title)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    written = save_figure(fig, out, dpi=110)
     plt.close(fig)
+    return written

@@ -66,7 +66,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.num_queries is not None and not 1 <= args.num_queries <= model.num_queries:
         raise ValueError(f"--num-queries must be in [1, {model.num_queries}], got {args.num_queries}")
     maps = average_cross_attention(
-        model, eval_loader(dataset, batch_size=128), num_queries=args.num_queries, device=args.device
+        model,
+        eval_loader(dataset, batch_size=args.batch_size or 128),
+        num_queries=args.num_queries,
+        device=args.device,
     )
     name = getattr(model, "leanformer_name", type(model).__name__)
     path = save_attention_grid(

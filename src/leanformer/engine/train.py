@@ -158,6 +158,15 @@ def fit(
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ValueError("resume needs the run folder (--out) of the run to continue")
+    if resume and out is not None and not (out / CHECKPOINT_NAME).exists():
+        # Nothing to resume is fine (the run stopped before its first checkpoint), but
+        # metrics of finished epochs without their checkpoint would be lost by a restart.
+        metrics = out / "metrics.jsonl"
+        if metrics.is_file() and metrics.read_text().strip():
+            raise ValueError(
+                f"resume: {out} has epochs in metrics.jsonl but no {CHECKPOINT_NAME} to continue "
+                "from; restore the checkpoint, or move the folder away to start over"
+            )
     try:
         train_set = build_split(cfg.data, "train")
         test_set = build_split(cfg.data, "test")

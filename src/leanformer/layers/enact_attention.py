@@ -10,13 +10,12 @@ padding, as DETR and ``nn.MultiheadAttention``). As in DETR the queries and keys
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from leanformer.ops.entropy_map import (
+    check_sigma,
     curvature_signs,
     entropy_from_logits,
     is_top_left_rectangle,
@@ -142,9 +141,7 @@ class EntropyClusteredAttention(DenseSelfAttention):
         cluster_inputs: bool = True,
     ) -> None:
         super().__init__(d_model, num_heads, dropout=dropout, bias=bias)
-        if not (isinstance(sigma, int | float) and math.isfinite(sigma) and sigma >= 0):
-            raise ValueError(f"sigma must be a finite number >= 0 (0 disables smoothing), got {sigma!r}")
-        self.sigma = float(sigma)
+        self.sigma = check_sigma(sigma)
         self.cluster_inputs = cluster_inputs
         self.entropy_proj = nn.Linear(d_model, 1)
         self.last_cluster_counts: Tensor | None = None

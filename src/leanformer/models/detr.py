@@ -22,6 +22,7 @@ from leanformer.layers.enact_attention import DenseSelfAttention, EntropyCluster
 from leanformer.layers.patch_embed import to_2tuple
 from leanformer.layers.position_encoding import SinePositionEncoding2d
 from leanformer.models.registry import register
+from leanformer.ops.entropy_map import check_sigma
 
 ATTENTIONS = ("dense", "enact")
 
@@ -88,8 +89,7 @@ class DETREncoder(nn.Module):
         super().__init__()
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
-        if not sigma >= 0:  # checked here too so that a dense model rejects it the same way
-            raise ValueError(f"sigma must be >= 0 (0 disables smoothing), got {sigma}")
+        check_sigma(sigma)  # here too, so that a dense model rejects it the same way
         for name, value in (("in_chans", in_chans), ("d_model", d_model), ("num_layers", num_layers)):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")

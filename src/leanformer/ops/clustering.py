@@ -23,6 +23,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from leanformer.ops.segment_sum import segment_sum
+
 InitMode = Literal["topk", "random"]
 
 
@@ -142,24 +144,35 @@ def _symmetric_sq_dists(x: Tensor) -> Tensor:
 
 
 def _assign_to_medoids(dists: Tensor, medoids: Tensor) -> Tensor:
-    """``dists [B, N, N]``, ``medoids [B, K]`` -> ``assign [B, N]``.
+    """``dists [B, N, N]`` (exactly symmetric), ``medoids [B, K]`` -> ``assign [B, N]``.
 
     Nearest medoid (first in medoid order on ties). A medoid always belongs to its own
     cluster, even when another medoid is an exact duplicate of it: clusters then stay
     non-empty and every medoid is a member of its cluster.
+
+    Reads the medoids' *rows* (contiguous copies; equal to their columns by symmetry)
+    and reduces over the medoid axis, which is not the innermost one, so the minimum is
+    vectorised across tokens. ``argmin`` over that axis measured 2x slower than this
+    ``amin`` + "first index reaching it" pass, and 1.5x slower over a column gather.
     """
     B, N, _ = dists.shape
     k = medoids.shape[1]
-    to_medoids = dists.gather(2, medoids[:, None, :].expand(B, N, k))
-    assign = to_medoids.argmin(dim=2)
+    rows = dists.view(B * N, N).index_select(0, _flat_rows(medoids, N)).view(B, k, N)
+    best = rows.amin(dim=1, keepdim=True)
+    # 0 where a medoid reaches the minimum, 1 elsewhere; times k plus the medoid's position
+    # makes the smallest key the first minimal medoid. float32 at least: integers stay exact.
+    key_dtype = torch.promote_types(rows.dtype, torch.float32)
+    order = torch.arange(k, dtype=key_dtype, device=dists.device)[None, :, None]
+    key = (rows - best).sign_().to(key_dtype).mul_(k).add_(order)
+    assign = key.amin(dim=1).long()
     return assign.scatter(1, medoids, torch.arange(k, device=medoids.device).expand(B, k))
 
 
 def _flat_rows(index: Tensor, k: int) -> Tensor:
     """``index [B, N]`` in ``[0, K)`` -> ``[B * N]`` row indices into a ``[B * K, ...]`` buffer.
 
-    ``index_add_`` / ``index_select`` along dim 0 of a 2-D tensor are the fast CPU paths;
-    ``scatter_add_`` / ``gather`` with an index expanded over channels are ~10x slower.
+    ``index_select`` along dim 0 of a 2-D tensor copies whole rows, the fast CPU path;
+    ``gather`` with an index expanded over channels is ~10x slower.
     """
     offsets = torch.arange(index.shape[0], device=index.device)[:, None] * k
     return (index + offsets).flatten()
@@ -195,13 +208,12 @@ def kmedoids_plan(
     w = torch.ones(B, N, dtype=x.dtype, device=x.device) if weights is None else weights.detach().to(x.dtype)
     medoids = _default_init(init, weights, k, B, x.device)
     dists = _symmetric_sq_dists(x)
-    # Rows scaled by their token's weight once; summing the rows of a cluster's members
-    # gives every token's weighted distance to that cluster: within[b, j, i] =
-    # sum_{i' in j} w_i' d(i', i), the eq. 17 cost of i as the medoid of j.
-    weighted_rows = (dists * w[:, :, None]).view(B * N, N)
     assign = _assign_to_medoids(dists, medoids)
     for _ in range(max_iters):
-        within = x.new_zeros(B * k, N).index_add_(0, _flat_rows(assign, k), weighted_rows).view(B, k, N)
+        # The weighted sum of the rows of a cluster's members is every token's weighted
+        # distance to that cluster: within[b, j, i] = sum_{i' in j} w_i' d(i', i), the
+        # eq. 17 cost of i as the medoid of j.
+        within = segment_sum(dists, assign, k, w)
         cost = within.gather(1, assign[:, None, :]).squeeze(1)  # [B, N], for the token's own cluster
         new_medoids = _first_argmin(cost, assign, k)
         if check_convergence and torch.equal(new_medoids, medoids):
@@ -215,13 +227,12 @@ def weighted_segment_mean(x: Tensor, w: Tensor, assign: Tensor, k: int) -> tuple
     """Weighted mean of every segment: ``x [B, N, C]``, ``w [B, N]``, ``assign [B, N]`` in ``[0, K)``.
 
     Returns ``([B, K, C] means, [B, K] total weights)``; an empty segment has mean 0 and
-    weight 0. A segment sum by ``index_add`` (not a one-hot matmul) keeps this O(N C);
-    differentiable in ``x`` and ``w``.
+    weight 0. A segment sum (not a one-hot matmul) keeps this O(N C); differentiable in
+    ``x`` and ``w``.
     """
-    B, N, C = x.shape
-    rows = _flat_rows(assign, k)
-    w_sum = w.new_zeros(B * k).index_add(0, rows, w.reshape(B * N)).view(B, k)
-    total = x.new_zeros(B * k, C).index_add(0, rows, (x * w[..., None]).reshape(B * N, C)).view(B, k, C)
+    B, _, _ = x.shape
+    w_sum = w.new_zeros(B, k).scatter_add_(1, assign, w)
+    total = segment_sum(x, assign, k, w)
     return total / w_sum.clamp_min(torch.finfo(w.dtype).tiny)[..., None], w_sum
 
 
@@ -271,7 +282,7 @@ def cluster_mean(x: Tensor, plan: ClusterPlan, weights: Tensor | None = None) ->
     cluster whose members all weigh 0 (e.g. tokens of size 0) uses their plain mean; an
     empty cluster (possible in K-Means only) returns its centre, a constant.
     """
-    B, N, C = x.shape
+    B, N, _ = x.shape
     k = plan.num_clusters
     assign = plan.assign
     w = x.new_ones(B, N) if weights is None else weights.to(x.dtype)
@@ -283,8 +294,7 @@ def cluster_mean(x: Tensor, plan: ClusterPlan, weights: Tensor | None = None) ->
         own_sum > 0, w / own_sum.clamp_min(torch.finfo(w.dtype).tiny), 1.0 / counts.gather(1, assign)
     )
     # Normalising the [B, N] weights first turns the segment mean into one segment sum.
-    rows = _flat_rows(assign, k)
-    means = x.new_zeros(B * k, C).index_add(0, rows, (x * w[..., None]).reshape(B * N, C)).view(B, k, C)
+    means = segment_sum(x, assign, k, w)
     if plan.centers is None:
         return means  # K-Medoids: every cluster holds at least its medoid
     return torch.where(counts[..., None] > 0, means, plan.centers.to(x.dtype))

@@ -86,6 +86,22 @@ def border_conv_matrix(n: int, kernel: Tensor, extent: Tensor) -> Tensor:
     return torch.zeros(B, n, n, dtype=kernel.dtype, device=extent.device).scatter_add_(2, src, weights)
 
 
+MAX_SIGMA = 1000.0  # radius 3000 positions: far wider than any feature map, still a small kernel
+
+
+def check_sigma(sigma: object) -> float:
+    """``sigma`` as a float, or a ``ValueError``: it must be finite and in ``[0, MAX_SIGMA]``.
+
+    The upper bound keeps the ``2 * ceil(3 sigma) + 1``-tap kernel allocatable; far below
+    it the blur is already flat over any feature map.
+    """
+    if not (isinstance(sigma, int | float) and math.isfinite(sigma) and 0 <= sigma <= MAX_SIGMA):
+        raise ValueError(
+            f"sigma must be a finite number in [0, {MAX_SIGMA:g}] (0 disables smoothing), got {sigma!r}"
+        )
+    return float(sigma)
+
+
 def gaussian_kernel1d(sigma: float, *, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Normalised 1-D Gaussian ``[2r + 1]`` with radius ``r = ceil(3 sigma)``."""
     radius = max(1, math.ceil(3.0 * sigma))
@@ -123,9 +139,7 @@ def gaussian_smooth(x: Tensor, sigma: float, valid: Tensor | None = None) -> Ten
 
     ``sigma == 0`` is the identity.
     """
-    if sigma < 0:
-        raise ValueError(f"sigma must be >= 0, got {sigma}")
-    if sigma == 0:
+    if check_sigma(sigma) == 0:
         return x
     g = gaussian_kernel1d(sigma, dtype=x.dtype, device=x.device)
     P, Q = _filters(x, valid, [g], [g])
@@ -152,8 +166,7 @@ def curvature_signs(entropy: Tensor, *, sigma: float, valid: Tensor | None = Non
     padded positions are meaningless (they belong to no region). Not differentiable:
     gradients never flow through the discrete signs.
     """
-    if sigma < 0:
-        raise ValueError(f"sigma must be >= 0, got {sigma}")
+    check_sigma(sigma)
     with torch.no_grad():
         e = entropy.detach()
         if valid is not None:

@@ -1,0 +1,173 @@
+"""CLI options that used to be accepted and then silently ignored or misapplied."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from leanformer.cli import build_parser, main
+
+Capture = pytest.CaptureFixture[str]
+TRAIN = ["train", "--model", "deit_test", "--img-size", "16", "--epochs", "1", "--batch-size", "16"]
+TRAIN += ["--data.limit_train", "32", "--data.limit_test", "32"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("run")
+    assert main([*TRAIN, "--out", str(run), "--quiet"]) == 0
+    return run / "last.safetensors"
+
+
+def _rows(capsys: pytest.CaptureFixture[str]) -> list[dict]:
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+
+
+def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
+def test_options_after_the_group_name_reach_the_command() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["visualize", "--json", "--seed", "5", "enact"])
+    assert args.json is True and args.seed == 5 and args._module.COMMAND == ("visualize", "enact")
+    args = parser.parse_args(["visualize", "--seed", "3", "enact", "--seed", "4"])
+    assert args.seed == 4 and args.json is False
+    args = parser.parse_args(["visualize", "enact"])
+    assert (args.json, args.quiet, args.device, args.seed, args.threads) == (False, False, "cpu", 0, None)
+
+
+def test_eval_batch_size_is_used(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import leanformer.data.loaders as loaders
+
+    seen: list[int] = []
+    real = loaders.eval_loader
+
+    def recording(dataset, *, batch_size, **kw):  # type: ignore[no-untyped-def]
+        seen.append(batch_size)
+        return real(dataset, batch_size=batch_size, **kw)
+
+    monkeypatch.setattr(loaders, "eval_loader", recording)
+    assert main(["eval", "--checkpoint", str(checkpoint), "--batch-size", "7", "--quiet"]) == 0
+    assert seen == [7]
+
+
+def test_eval_checkpoint_refuses_model_and_config(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _error(["eval", "--checkpoint", str(checkpoint), "--model", "deit_tiny"], capsys)
+    assert "--model cannot be combined with --checkpoint" in err
+    err = _error(["eval", "--checkpoint", str(checkpoint), "--config", "x.yaml"], capsys)
+    assert "--config cannot be combined" in err
+
+
+def test_eval_checkpoint_applies_dotted_model_options(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["eval", "--checkpoint", str(checkpoint), "--json"]
+    assert main(base) == 0
+    (plain,) = _rows(capsys)
+    assert main([*base, "--pool", "powerbert", "--keep", "2,1,1"]) == 0
+    (flags,) = _rows(capsys)
+    assert main([*base, "--model_options.pool", "powerbert", "--model_options.keep", "[2, 1, 1]"]) == 0
+    (dotted,) = _rows(capsys)
+    assert flags["loss"] != plain["loss"]  # pooling down to 1-2 tokens changes the outputs
+    assert dotted["loss"] == flags["loss"] and dotted["top1"] == flags["top1"]
+
+
+def test_eval_warns_about_parameters_the_checkpoint_lacks(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["eval", "--checkpoint", str(checkpoint), "--opt", "depth=4", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "warning" in err and "blocks.3" in err and "untrained" in err
+    assert main(["eval", "--checkpoint", str(checkpoint), "--quiet"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--num-queries", "4"], ["--dqs-threshold", "0.5"]])
+def test_train_refuses_evaluation_only_flags(flag: list[str], capsys: Capture) -> None:
+    err = _error([*TRAIN, *flag, "--out", "unused"], capsys)
+    assert f"train does not take {flag[0]}" in err
+
+
+def test_resume_without_checkpoint_keeps_the_metrics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    assert main([*TRAIN, "--out", str(run), "--quiet"]) == 0
+    (run / "last.safetensors").unlink()
+    metrics = (run / "metrics.jsonl").read_text()
+    err = _error([*TRAIN, "--epochs", "2", "--out", str(run), "--resume", "--quiet"], capsys)
+    assert "no last.safetensors" in err
+    assert (run / "metrics.jsonl").read_text() == metrics
+
+
+def test_perceiver_query_counts() -> None:
+    from leanformer.commands.perceiver_eval import _query_counts
+
+    assert _query_counts(None, 8) == [1, 2, 4, 8]
+    assert _query_counts(None, 64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert _query_counts([3, 5], 8) == [3, 5]
+    with pytest.raises(ValueError, match=r"\[9\] exceed the model's 8 latent queries"):
+        _query_counts([1, 9], 8)
+
+
+def test_perceiver_eval_rejects_too_many_queries(capsys: Capture) -> None:
+    argv = ["perceiver-eval", "--model", "visual_perceiver_test", "--data", "digits", "--img-size", "16"]
+    argv += ["--ks", "1,9", "--reps", "0", "--time-batch", "0", "--limit", "8"]
+    assert "exceed the model's 8 latent queries" in _error(argv, capsys)
+
+
+def test_tradeoff_refuses_models_without_patch_tokens() -> None:
+    from leanformer.bench.tradeoff import check_poolable, run_sweep, sweep_config_from_dict
+    from leanformer.models.deit import DeiT
+    from leanformer.models.perceiver import VisualPerceiver
+
+    check_poolable(DeiT)
+    with pytest.raises(ValueError, match="perceiver-eval"):
+        check_poolable(VisualPerceiver)
+    cfg = sweep_config_from_dict(
+        {"model": "visual_perceiver_test", "budgets": [0.5], "train": {"optim": {"epochs": 50}}}
+    )
+    with pytest.raises(ValueError, match="not to VisualPerceiver"):
+        run_sweep(cfg, progress=False)  # before training the 50 epochs
+
+
+def test_figure_path_without_suffix_gets_png(tmp_path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    from leanformer.bench.plots import save_figure
+
+    written = save_figure(Figure(), tmp_path / "plot")
+    assert written == tmp_path / "plot.png" and written.is_file()
+    assert save_figure(Figure(), tmp_path / "plot.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_visualize_enact_reports_the_file_it_wrote(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "visualize",
+        "--json",
+        "enact",
+        "--image",
+        "noise",
+        "--stride",
+        "32",
+        "--out",
+        str(tmp_path / "x"),
+    ]
+    assert main(argv) == 0
+    (row,) = _rows(capsys)
+    assert row["out"] == str(tmp_path / "x.png") and (tmp_path / "x.png").is_file()
+
+
+def test_huge_sigma_is_a_clear_error(capsys: Capture) -> None:
+    err = _error(["visualize", "enact", "--image", "noise", "--sigma", "1e9"], capsys)
+    assert "sigma must be a finite number in [0, 1000]" in err
