@@ -138,10 +138,15 @@ def test_unavailable_or_bad_device_is_one_line(capsys: pytest.CaptureFixture[str
 def test_unexpected_errors_are_one_line_unless_asked(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    argv = ["bench", "--model", "deit_test", "--opt", "num_heads=0", "--runs", "1"]
-    assert main(argv) == 1
+    import leanformer.commands.models as models_command
+
+    def broken(args: object) -> None:
+        raise ZeroDivisionError("integer modulo by zero\nsecond line")
+
+    monkeypatch.setattr(models_command, "run", broken)
+    assert main(["models"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("leanformer: error: ZeroDivisionError:")
+    assert len(err) == 1 and err[0].startswith("leanformer: error: ZeroDivisionError: integer modulo by zero")
     monkeypatch.setenv("LEANFORMER_TRACEBACK", "1")
     with pytest.raises(ZeroDivisionError):
-        main(argv)
+        main(["models"])

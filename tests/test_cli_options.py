@@ -91,8 +91,8 @@ def test_eval_warns_about_parameters_the_checkpoint_lacks(
 
 
 @pytest.mark.parametrize("flag", [["--num-queries", "4"], ["--dqs-threshold", "0.5"]])
-def test_train_refuses_evaluation_only_flags(flag: list[str], capsys: Capture) -> None:
-    err = _error([*TRAIN, *flag, "--out", "unused"], capsys)
+def test_train_refuses_evaluation_only_flags(flag: list[str], tmp_path: Path, capsys: Capture) -> None:
+    err = _error([*TRAIN, *flag, "--out", str(tmp_path / "run")], capsys)
     assert f"train does not take {flag[0]}" in err
 
 
@@ -171,3 +171,52 @@ def test_visualize_enact_reports_the_file_it_wrote(
 def test_huge_sigma_is_a_clear_error(capsys: Capture) -> None:
     err = _error(["visualize", "enact", "--image", "noise", "--sigma", "1e9"], capsys)
     assert "sigma must be a finite number in [0, 1000]" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "deit_test", "--opt", "num_heads=0"], "num_heads must be an integer >= 1, got 0"),
+        (["--model", "deit_test", "--opt", "depth=-1"], "depth must be an integer >= 1, got -1"),
+        (["--model", "deit_test", "--opt", "img_size=abc"], "img_size must be a size or a (height, width)"),
+        (
+            ["--model", "deit_test", "--opt", "embed_dim=31"],
+            "dim (31) must be divisible by num_heads (2)",
+        ),
+        (["--model", "drrt_test", "--opt", "patch_size=0"], "patch_size must be an integer >= 1, got 0"),
+        (["--model", "recursive_mixer_test", "--opt", "in_chans=0"], "in_chans must be an integer >= 1"),
+        (
+            ["--model", "sret_test", "--opt", "num_heads=2"],
+            "num_heads must be a list with one entry per stage",
+        ),
+        (["--model", "detr_encoder_test", "--opt", "d_model=0"], "d_model must be an integer >= 1"),
+        (["--model", "deit_test", "--num-queries", "4"], "--num-queries: only for Visual Perceiver models"),
+    ],
+)
+def test_bad_model_options_name_the_option(argv: list[str], message: str, capsys: Capture) -> None:
+    assert message in _error(["bench", *argv, "--runs", "1", "--warmup", "0", "--no-memory"], capsys)
+
+
+def test_dataset_that_does_not_fit_the_model(tmp_path: Path, capsys: Capture) -> None:
+    err = _error(["eval", "--model", "deit_test", "--data", "digits_pairs"], capsys)
+    assert "deit_test takes one image per example, but the dataset gives a pair of inputs" in err
+    err = _error(["train", "--model", "drrt_test", "--data", "digits", "--out", str(tmp_path)], capsys)
+    assert "drrt_test takes a pair of inputs per example, but the dataset gives one image" in err
+
+
+def test_config_that_is_not_a_mapping(tmp_path: Path, capsys: Capture) -> None:
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- model: deit_test\n")
+    assert "sweep config" in _error(["tradeoff", "--config", str(listed)], capsys)
+    assert "must be a mapping of keys, got a YAML list" in _error(["train", "--config", str(listed)], capsys)
+
+
+def test_unreadable_inputs_and_paths(tmp_path: Path, capsys: Capture) -> None:
+    text = tmp_path / "notes.png"
+    text.write_text("not an image")
+    err = _error(["visualize", "enact", "--input", str(text)], capsys)
+    assert "is not an image file PIL can read" in err
+    err = _error(["visualize", "enact", "--image", "noise", "--out", str(text / "x.png")], capsys)
+    assert f"{text} is a file, but a folder is needed there" in err
+    err = _error(["visualize", "clusters", "--timm-model", "resnet18"], capsys)
+    assert "timm model 'resnet18' does not take the options given" in err

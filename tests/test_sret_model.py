@@ -135,7 +135,7 @@ def test_indivisible_token_count_raises() -> None:
         (dict(permutation="PI"), "permutation must be one of"),
         (dict(lrc="all"), "lrc must be one of"),
         (dict(embed_dims=(16, 24, 48)), "multiple of embed_dims"),
-        (dict(num_heads=(3, 2, 4)), "not divisible"),
+        (dict(num_heads=(3, 2, 4)), "must be divisible by num_heads"),
         (dict(stem_chs=(8,)), "stem_chs"),
         (dict(loops=0), "loops"),
     ],

@@ -122,7 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("leanformer: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
+    except (FileExistsError, NotADirectoryError) as exc:
+        # Raised by mkdir when a path that must be a folder (--out, or a parent) is a file.
+        print(
+            f"leanformer: error: {exc.filename} is a file, but a folder is needed there "
+            "(check --out and other paths)",
+            file=sys.stderr,
+        )
+        return 2
+    except (ValueError, FileNotFoundError) as exc:
         print(f"leanformer: error: {_first_line(exc)}", file=sys.stderr)
         return 2
     except Exception as exc:

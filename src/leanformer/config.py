@@ -179,18 +179,25 @@ def apply_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:
     return from_dict(RunConfig, data)
 
 
+def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """The YAML mapping in ``path`` (empty file: ``{}``); a ``ValueError`` naming ``what`` otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} {path} does not exist")
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{what} {path} is not valid YAML: {exc}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{what} {path} must be a mapping of keys, got a YAML {type(loaded).__name__}")
+    return loaded
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Defaults, then the YAML file at ``path`` (if any), then the dotted ``overrides``."""
     config = RunConfig()
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file {path} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ValueError(f"config file {path} is not valid YAML: {exc}") from None
-        config = from_dict(RunConfig, loaded)
+        config = from_dict(RunConfig, read_yaml_mapping(path))
     return apply_overrides(config, overrides or {}) if overrides else config
 
 

@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import yaml
 from torch import Tensor, nn
 
-from leanformer.config import DataConfig, RunConfig, from_dict
+from leanformer.config import DataConfig, RunConfig, from_dict, read_yaml_mapping
 from leanformer.progress import progress_bar
 
 BASELINE = "none"
@@ -60,13 +59,7 @@ class SweepConfig:
 
 
 def load_sweep_config(path: str | Path, overrides: dict[str, Any] | None = None) -> SweepConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"sweep config {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"sweep config {path} is not valid YAML: {exc}") from None
+    data = read_yaml_mapping(path, "sweep config")
     return sweep_config_from_dict({**data, **(overrides or {})})
 
 

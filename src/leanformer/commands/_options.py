@@ -93,8 +93,11 @@ def model_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def forward_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Call-time options (they change what a forward pass computes, not the weights)."""
+def forward_kwargs(args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    """Call-time options for ``model`` (they change what a forward pass computes, not the weights).
+
+    They exist for Visual Perceivers only; any other model refuses them by name.
+    """
     kwargs: dict[str, Any] = {}
     if getattr(args, "num_queries", None) is not None:
         if args.num_queries < 1:
@@ -106,6 +109,10 @@ def forward_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         if "dqs_threshold" not in kwargs:
             raise ValueError("--dqs-rule needs --dqs-threshold")
         kwargs["dqs_rule"] = args.dqs_rule
+    if kwargs and not isinstance(getattr(model, "num_queries", None), int):
+        flags = ", ".join("--" + key.replace("_", "-") for key in kwargs)
+        name = getattr(model, "leanformer_name", type(model).__name__)
+        raise ValueError(f"{flags}: only for Visual Perceiver models; {name} has no latent queries")
     return kwargs
 
 

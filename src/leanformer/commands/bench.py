@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     inputs = example_inputs(
         model, args.batch_size, img_size=args.img_size, feature_size=args.feature_size, device=args.device
     )
-    kwargs = forward_kwargs(args)
+    kwargs = forward_kwargs(args, model)
     row: dict[str, Any] = {"model": name, **options, **kwargs, "batch_size": args.batch_size}
     if args.img_size is not None:
         row["img_size"] = args.img_size
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         mem = row.get("peak_mem_mb")
         mem_text = f", peak memory {mem:.1f} MB" if mem is not None else ""
         print(
-            f"{name}: {row['params_m']:.2f}M params, {row['gflops']:.3f} GFLOPs/sample, "
+            f"{name}: {row['params_m']:.2f}M params, {row['gflops']:.4g} GFLOPs/sample, "
             f"{row['img_per_s']:.1f} img/s (batch {args.batch_size}, {int(row['threads'])} threads){mem_text}"
         )
     return [row]

@@ -79,11 +79,13 @@ def _warn_untrained(model: torch.nn.Module) -> None:
 
 def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.data.loaders import eval_loader
-    from leanformer.engine.builders import build_split
+    from leanformer.engine.builders import build_split, check_data_fits
     from leanformer.engine.evaluate import evaluate
 
     cfg, model = _config(args)
     dataset = build_split(cfg.data, args.split)
+    info = dataset.info  # type: ignore[attr-defined]
+    check_data_fits(type(model), info, name=getattr(model, "leanformer_name", None))
     kept: list[torch.Tensor] = []
 
     def collect(m: torch.nn.Module) -> None:
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         if counts is not None:
             kept.append(counts.detach().float().cpu())
 
-    kwargs = forward_kwargs(args)
+    kwargs = forward_kwargs(args, model)
     metrics = evaluate(
         model,
         eval_loader(dataset, batch_size=args.batch_size or cfg.data.eval_batch_size),

@@ -157,13 +157,9 @@ def _img_size(args: argparse.Namespace) -> int | None:
             raise ValueError(f"--img-size must be >= 1, got {args.img_size}")
         return args.img_size
     if args.timm_model:
-        from timm.models import get_pretrained_cfg_value
+        from leanformer.patch.timm import timm_input_size
 
-        try:
-            size = get_pretrained_cfg_value(args.timm_model, "input_size")
-        except RuntimeError:  # not a timm model name: create_timm_model says so below
-            return None
-        return int(size[-1]) if size else None
+        return timm_input_size(args.timm_model)
     return None
 
 

@@ -48,14 +48,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_image(args: argparse.Namespace) -> tuple[Tensor, str]:
     """RGB image ``[3, h, w]`` in [0, 1] and its name."""
     if args.input:
-        from PIL import Image
+        from PIL import Image, UnidentifiedImageError
 
         path = Path(args.input)
         if not path.is_file():
             raise ValueError(f"--input {args.input!r} is not a file")
-        arr = torch.frombuffer(bytearray(Image.open(path).convert("RGB").tobytes()), dtype=torch.uint8)
-        w, h = Image.open(path).size
-        return arr.view(h, w, 3).permute(2, 0, 1).float() / 255.0, path.name
+        try:
+            with Image.open(path) as img:
+                rgb = img.convert("RGB")
+        except UnidentifiedImageError:
+            raise ValueError(f"--input {args.input!r} is not an image file PIL can read") from None
+        arr = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
+        return arr.view(rgb.height, rgb.width, 3).permute(2, 0, 1).float() / 255.0, path.name
     if args.image == "noise":
         gen = torch.Generator().manual_seed(args.seed)
         coarse = torch.rand(1, 3, 12, 16, generator=gen)

@@ -130,7 +130,7 @@ def build_digits_pairs(
     mean_a, std_a = channel_stats(a_train)
     a = normalise(a, mean_a, std_a)
     b = (b - b_train.mean()) / b_train.std()
-    info = DatasetInfo(num_classes=10, in_chans=1, img_size=img_size)
+    info = DatasetInfo(num_classes=10, in_chans=1, img_size=img_size, inputs=2)
     regions = {}
     if return_regions:
         regions = dict(
@@ -206,6 +206,7 @@ def build_paired_arrays(
         num_classes=int(labels.max()) + 1,
         in_chans=a.shape[1] if a.ndim == 4 else None,
         img_size=a.shape[-1] if a.ndim == 4 and a.shape[-1] == a.shape[-2] else None,
+        inputs=2,
     )
     return PairedDataset(a[index], b[index], labels[index], info, per_example_regions=per_example, **regions)
 

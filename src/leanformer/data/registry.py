@@ -25,6 +25,7 @@ class DatasetInfo:
     num_classes: int
     in_chans: int | None = None  # None for non-image inputs
     img_size: int | None = None
+    inputs: int = 1  # inputs per example: 1 (an image), 2 (a pair, for relation models)
 
 
 Builder = Callable[..., Dataset]

@@ -46,12 +46,26 @@ def build_split(data: DataConfig, split: str) -> Dataset:
     return dataset if limit is None else LimitedDataset(dataset, limit)
 
 
+def check_data_fits(model_cls: type[nn.Module], info: DatasetInfo, *, name: str | None = None) -> None:
+    """A clear error when the data gives a different number of inputs per example than the
+    model takes (a pair dataset for a single-image model, or the other way round)."""
+    takes = getattr(model_cls, "NUM_INPUTS", 1)
+    if takes != info.inputs:
+        what = {1: "one image", 2: "a pair of inputs"}
+        raise ValueError(
+            f"{name or model_cls.__name__} takes {what.get(takes, takes)} per example, but the dataset "
+            f"gives {what.get(info.inputs, info.inputs)} (pair datasets such as digits_pairs are for "
+            "the relation models drt_*/drrt_*)"
+        )
+
+
 def model_options_for_data(name: str, options: dict[str, Any], info: DatasetInfo | None) -> dict[str, Any]:
     """Fill ``num_classes``/``in_chans``/``img_size`` from the data where the model takes them."""
     resolved = dict(options)
     if info is None:
         return resolved
     entry = model_info(name)
+    check_data_fits(entry.cls, info, name=name)
     accepted = accepted_options(entry.cls) or set()
     for key, value in (
         ("num_classes", info.num_classes),

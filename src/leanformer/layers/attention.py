@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from leanformer.layers.checks import head_dim
 from leanformer.ops.attention import attention
 from leanformer.ops.ragged import RaggedBatch
 
@@ -27,10 +28,8 @@ class Attention(nn.Module):
         norm_layer: type[nn.Module] = nn.LayerNorm,
     ) -> None:
         super().__init__()
-        if dim % num_heads != 0:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        self.head_dim = head_dim(dim, num_heads)
         self.num_heads = num_heads
-        self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.q_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim) if qk_norm else nn.Identity()

@@ -19,6 +19,7 @@ import torch
 from timm.layers import DropPath, LayerScale, Mlp
 from torch import Tensor, nn
 
+from leanformer.layers.checks import head_dim
 from leanformer.ops.attention import attention
 from leanformer.ops.ragged import RaggedBatch
 
@@ -40,10 +41,8 @@ class CrossAttention(nn.Module):
         proj_drop: float = 0.0,
     ) -> None:
         super().__init__()
-        if num_heads < 1 or dim % num_heads != 0:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        self.head_dim = head_dim(dim, num_heads)
         self.num_heads = num_heads
-        self.head_dim = dim // num_heads
         self.q = nn.Linear(dim, dim, bias=qkv_bias)
         self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias)
         self.attn_drop = attn_drop

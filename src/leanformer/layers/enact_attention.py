@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leanformer.layers.checks import head_dim
 from leanformer.ops.entropy_map import (
     check_sigma,
     curvature_signs,
@@ -60,13 +61,11 @@ class DenseSelfAttention(nn.Module):
 
     def __init__(self, d_model: int, num_heads: int, *, dropout: float = 0.0, bias: bool = True) -> None:
         super().__init__()
-        if d_model % num_heads != 0:
-            raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
+        self.head_dim = head_dim(d_model, num_heads, dim_name="d_model")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         self.d_model = d_model
         self.num_heads = num_heads
-        self.head_dim = d_model // num_heads
         self.dropout = dropout
         self.in_proj_weight = nn.Parameter(torch.empty(3 * d_model, d_model))
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * d_model)) if bias else None

@@ -19,6 +19,7 @@ from timm.layers import trunc_normal_
 from torch import Tensor, nn
 
 from leanformer.layers.block import Block
+from leanformer.layers.checks import check_patch_grid, head_dim
 from leanformer.layers.patch_embed import PatchEmbed, resample_pos_embed, to_2tuple
 
 
@@ -48,8 +49,8 @@ class _Encoder(nn.Module):
         super().__init__()
         if depth < 0:
             raise ValueError(f"extractor depth must be >= 0, got {depth}")
-        if depth and dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        if depth:
+            head_dim(dim, num_heads)
         self.blocks = nn.ModuleList(
             Block(dim, num_heads=num_heads, mlp_ratio=mlp_ratio, proj_drop=drop) for _ in range(depth)
         )
@@ -78,8 +79,7 @@ class ImagePatchTokens(nn.Module):
     ) -> None:
         super().__init__()
         self.img_size = to_2tuple(img_size)
-        if self.img_size[0] % patch_size or self.img_size[1] % patch_size:
-            raise ValueError(f"img_size {self.img_size} is not a multiple of patch_size {patch_size}")
+        check_patch_grid(self.img_size, patch_size)
         self.patch_size = patch_size
         self.in_chans = in_chans
         self.dim = dim

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leanformer.layers.checks import check_positive
+
 
 def resample_pos_embed(pos_embed: Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int]) -> Tensor:
     """Bicubically resize a grid of position embeddings ``[1, H*W, C]`` -> ``[1, H'*W', C]``."""
@@ -25,6 +27,7 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, *, patch_size: int, in_chans: int, embed_dim: int) -> None:
         super().__init__()
+        check_positive(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
         self.patch_size = patch_size
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
@@ -40,11 +43,13 @@ class PatchEmbed(nn.Module):
         return x.flatten(2).transpose(1, 2), grid
 
 
-def to_2tuple(v: int | tuple[int, int] | list[int]) -> tuple[int, int]:
-    if isinstance(v, int):
-        return (v, v)
-    a, b = v
-    return (int(a), int(b))
+def to_2tuple(v: int | tuple[int, int] | list[int], *, name: str = "img_size") -> tuple[int, int]:
+    """``224`` -> ``(224, 224)``; ``(H, W)`` stays; anything else, or sizes < 1, is a ``ValueError``."""
+    pair = (v, v) if isinstance(v, int) else tuple(v) if isinstance(v, tuple | list) else None
+    if pair is None or len(pair) != 2:
+        raise ValueError(f"{name} must be a size or a (height, width) pair, got {v!r}")
+    check_positive(**{f"{name} height": pair[0], f"{name} width": pair[1]})
+    return (int(pair[0]), int(pair[1]))
 
 
 __all__ = ["PatchEmbed", "resample_pos_embed", "to_2tuple"]

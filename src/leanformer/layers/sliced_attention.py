@@ -28,6 +28,7 @@ import torch
 from timm.layers import DropPath, Mlp
 from torch import Tensor, nn
 
+from leanformer.layers.checks import head_dim
 from leanformer.layers.residual_coeffs import LearnableResidual, LRCMode, check_lrc_mode
 from leanformer.ops.attention import attention
 
@@ -71,10 +72,8 @@ class SlicedGroupAttention(nn.Module):
         proj_drop: float = 0.0,
     ) -> None:
         super().__init__()
-        if dim % num_heads != 0:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        self.head_dim = head_dim(dim, num_heads)
         self.num_heads = num_heads
-        self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.attn_drop = attn_drop
         self.proj = nn.Linear(dim, dim)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.layers.block import Block, ReducePosition
+from leanformer.layers.checks import check_positive
 from leanformer.layers.classifier import classifier
 from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import PatchEmbed, resample_pos_embed, to_2tuple
@@ -51,7 +52,10 @@ class DeiT(nn.Module):
         pool_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        check_positive(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth)
         self.img_size = to_2tuple(img_size)
+        if min(self.img_size) < patch_size:
+            raise ValueError(f"img_size {self.img_size} is smaller than one patch ({patch_size})")
         self.patch_size = patch_size
         self.in_chans = in_chans
         self.num_classes = num_classes

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leanformer.layers.checks import check_positive
 from leanformer.layers.classifier import classifier
 from leanformer.layers.enact_attention import DenseSelfAttention, EntropyClusteredAttention
 from leanformer.layers.patch_embed import to_2tuple
@@ -90,9 +91,7 @@ class DETREncoder(nn.Module):
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
         check_sigma(sigma)  # here too, so that a dense model rejects it the same way
-        for name, value in (("in_chans", in_chans), ("d_model", d_model), ("num_layers", num_layers)):
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+        check_positive(in_chans=in_chans, d_model=d_model, num_layers=num_layers)
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.img_size = to_2tuple(img_size)

@@ -72,6 +72,8 @@ class DRRT(nn.Module):
         drop_rate: dropout in the extractors and the classifier.
     """
 
+    NUM_INPUTS = 2  # forward(a, b): one example is a pair
+
     def __init__(
         self,
         *,

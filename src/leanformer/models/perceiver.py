@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.layers.block import Block
+from leanformer.layers.checks import check_patch_grid, check_positive
 from leanformer.layers.classifier import classifier
 from leanformer.layers.cross_attention import CrossAttentionBlock
 from leanformer.layers.init import init_vit_weights
@@ -97,10 +98,10 @@ class VisualPerceiver(nn.Module):
             raise ValueError(f"num_queries must be >= 1, got {num_queries}")
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
+        check_positive(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
         self.img_size = to_2tuple(img_size)
         self.patch_size = patch_size
-        if self.img_size[0] % patch_size or self.img_size[1] % patch_size:
-            raise ValueError(f"img_size {self.img_size} is not a multiple of patch_size {patch_size}")
+        check_patch_grid(self.img_size, patch_size)
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.embed_dim = self.num_features = embed_dim

@@ -18,6 +18,7 @@ from functools import partial
 from timm.layers import DropPath, Mlp
 from torch import Tensor, nn
 
+from leanformer.layers.checks import check_patch_grid
 from leanformer.layers.classifier import classifier
 from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import PatchEmbed, to_2tuple
@@ -83,8 +84,7 @@ class RecursiveMixer(nn.Module):
         super().__init__()
         check_lrc_mode(lrc)
         self.img_size = to_2tuple(img_size)
-        if self.img_size[0] % patch_size or self.img_size[1] % patch_size:
-            raise ValueError(f"img_size {self.img_size} is not a multiple of patch_size {patch_size}")
+        check_patch_grid(self.img_size, patch_size)
         if unique < 1 or loops < 1:
             raise ValueError(f"unique and loops must be >= 1, got {unique} and {loops}")
         self.in_chans = in_chans

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leanformer.layers.checks import check_positive, head_dim
 from leanformer.layers.classifier import classifier
 from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import to_2tuple
@@ -55,6 +56,7 @@ class ConvStem(nn.Module):
 
     def __init__(self, *, in_chans: int, widths: Sequence[int], strides: Sequence[int]) -> None:
         super().__init__()
+        check_positive(in_chans=in_chans)
         if len(widths) != len(strides):
             raise ValueError(f"stem has {len(widths)} widths but {len(strides)} strides")
         layers: list[nn.Module] = []
@@ -185,6 +187,10 @@ class SReT(nn.Module):
         permutation: str,
         lrc: str,
     ) -> None:
+        per_stage = {"embed_dims": embed_dims, "num_heads": num_heads, "unique": unique, "groups": groups}
+        for name, value in per_stage.items():
+            if not isinstance(value, list | tuple):
+                raise ValueError(f"{name} must be a list with one entry per stage, got {value!r}")
         n = len(embed_dims)
         if n < 1 or not (len(num_heads) == len(unique) == len(groups) == n):
             raise ValueError(
@@ -202,8 +208,7 @@ class SReT(nn.Module):
         if loops < 1:
             raise ValueError(f"loops must be >= 1, got {loops}")
         for s in range(n):
-            if embed_dims[s] % num_heads[s]:
-                raise ValueError(f"stage {s}: dim {embed_dims[s]} is not divisible by {num_heads[s]} heads")
+            head_dim(embed_dims[s], num_heads[s], dim_name=f"stage {s} dim")
             if unique[s] < 1:
                 raise ValueError(f"stage {s}: unique must be >= 1, got {unique[s]}")
             if len(groups[s]) != loops:

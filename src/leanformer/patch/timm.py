@@ -183,7 +183,21 @@ def create_timm_model(name: str, **kwargs: Any) -> nn.Module:
             "pretrained timm weights are read only from a local file: pass "
             "pretrained_cfg_overlay={'file': PATH} (nothing is downloaded)"
         )
-    return timm.create_model(name, **kwargs)
+    try:
+        return timm.create_model(name, **kwargs)
+    except TypeError as exc:  # an option this architecture's constructor does not take
+        raise ValueError(f"timm model {name!r} does not take the options given: {exc}") from None
+
+
+def timm_input_size(name: str) -> int | None:
+    """The input side a timm model was designed for (e.g. 224), or None if timm does not say."""
+    from timm.models import get_pretrained_cfg_value
+
+    try:
+        size = get_pretrained_cfg_value(name, "input_size")
+    except RuntimeError:  # not a timm model name: create_timm_model says so
+        return None
+    return int(size[-1]) if size else None
 
 
 def _check_supported(model: nn.Module) -> None:
