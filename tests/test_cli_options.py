@@ -64,6 +64,8 @@ def test_eval_checkpoint_refuses_model_and_config(
     assert "--model cannot be combined with --checkpoint" in err
     err = _error(["eval", "--checkpoint", str(checkpoint), "--config", "x.yaml"], capsys)
     assert "--config cannot be combined" in err
+    err = _error(["bench", "--checkpoint", str(checkpoint), "--model", "deit_tiny"], capsys)
+    assert "--model cannot be combined with --checkpoint" in err
 
 
 def test_eval_checkpoint_applies_dotted_model_options(

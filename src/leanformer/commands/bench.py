@@ -30,6 +30,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     options = model_options(args)
     torch.manual_seed(args.seed)
+    if args.checkpoint and args.model:
+        raise ValueError("--model cannot be combined with --checkpoint: the checkpoint names its model")
     if args.checkpoint:
         from leanformer.engine.checkpoint import load_model
 
