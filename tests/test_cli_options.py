@@ -80,6 +80,13 @@ def test_eval_checkpoint_applies_dotted_model_options(
     (dotted,) = _rows(capsys)
     assert flags["loss"] != plain["loss"]  # pooling down to 1-2 tokens changes the outputs
     assert dotted["loss"] == flags["loss"] and dotted["top1"] == flags["top1"]
+    # A nested key sets the top-level option it lives in.
+    nested = [*base, "--pool", "kmedoids", "--keep", "2,1,1"]
+    assert main([*nested, "--opt", "pool_options={max_iters: 0}"]) == 0
+    (opt,) = _rows(capsys)
+    assert main([*nested, "--model_options.pool_options.max_iters", "0"]) == 0
+    (dotted_nested,) = _rows(capsys)
+    assert dotted_nested["loss"] == opt["loss"]
 
 
 def test_eval_warns_about_parameters_the_checkpoint_lacks(
@@ -114,6 +121,7 @@ def test_perceiver_query_counts() -> None:
     from leanformer.commands.perceiver_eval import _query_counts
 
     assert _query_counts(None, 8) == [1, 2, 4, 8]
+    assert _query_counts(None, 10) == [1, 2, 4, 8, 10]
     assert _query_counts(None, 64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert _query_counts([3, 5], 8) == [3, 5]
     with pytest.raises(ValueError, match=r"\[9\] exceed the model's 8 latent queries"):
@@ -179,7 +187,7 @@ def test_huge_sigma_is_a_clear_error(capsys: Capture) -> None:
     ("argv", "message"),
     [
         (["--model", "deit_test", "--opt", "num_heads=0"], "num_heads must be an integer >= 1, got 0"),
-        (["--model", "deit_test", "--opt", "depth=-1"], "depth must be an integer >= 1, got -1"),
+        (["--model", "deit_test", "--opt", "depth=-1"], "depth must be an integer >= 0, got -1"),
         (["--model", "deit_test", "--opt", "img_size=abc"], "img_size must be a size or a (height, width)"),
         (
             ["--model", "deit_test", "--opt", "embed_dim=31"],
@@ -218,7 +226,8 @@ def test_unreadable_inputs_and_paths(tmp_path: Path, capsys: Capture) -> None:
     text.write_text("not an image")
     err = _error(["visualize", "enact", "--input", str(text)], capsys)
     assert "is not an image file PIL can read" in err
-    err = _error(["visualize", "enact", "--image", "noise", "--out", str(text / "x.png")], capsys)
-    assert f"{text} is a file, but a folder is needed there" in err
+    for out in (text / "x.png", text / "sub" / "x.png"):
+        err = _error(["visualize", "enact", "--image", "noise", "--out", str(out)], capsys)
+        assert f"{text} is a file, but a folder is needed there" in err
     err = _error(["visualize", "clusters", "--timm-model", "resnet18"], capsys)
     assert "timm model 'resnet18' does not take the options given" in err

@@ -317,3 +317,11 @@ def test_assignment_equals_argmin_over_medoid_columns(dtype: torch.dtype) -> Non
     expected = d.gather(2, medoids[:, None, :].expand(B, N, K)).argmin(dim=2)
     expected.scatter_(1, medoids, torch.arange(K).expand(B, K))
     assert torch.equal(_assign_to_medoids(d, medoids), expected)
+
+
+def test_kmedoids_with_float16_tokens_whose_norm_overflows() -> None:
+    """|x|^2 = inf in float16 must not turn the distance diagonal into NaN."""
+    x = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [300.0, 0.0], [0.5, 0.0]]]).half()
+    plan = kmedoids_plan(x, 2, init=torch.tensor([[0, 1]]))
+    assert torch.equal(plan.assign, torch.tensor([[0, 1, 0, 0]]))
+    assert plan.medoids is not None and int(plan.medoids.max()) < 4

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -76,6 +77,17 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
+def _file_in_the_way(filename: object) -> str | None:
+    """The nearest existing ancestor of ``filename`` (itself included) if it is a file."""
+    if not isinstance(filename, str | os.PathLike):
+        return None
+    path = Path(filename)
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return str(candidate) if candidate.is_file() else None
+    return None
+
+
 def check_device(device: str) -> None:
     """A clear error for a device string torch cannot parse or this machine does not have."""
     import torch
@@ -123,12 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         print("leanformer: interrupted", file=sys.stderr)
         return 130
     except (FileExistsError, NotADirectoryError) as exc:
-        # Raised by mkdir when a path that must be a folder (--out, or a parent) is a file.
-        print(
-            f"leanformer: error: {exc.filename} is a file, but a folder is needed there "
-            "(check --out and other paths)",
-            file=sys.stderr,
+        # Usually mkdir meeting a file where a folder (--out, or one of its parents) must be.
+        blocker = _file_in_the_way(exc.filename)
+        where = (
+            f"{blocker} is a file, but a folder is needed there (check --out and other paths)"
+            if blocker
+            else _first_line(exc)
         )
+        print(f"leanformer: error: {where}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError) as exc:
         print(f"leanformer: error: {_first_line(exc)}", file=sys.stderr)

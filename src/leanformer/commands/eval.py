@@ -46,7 +46,8 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
         cfg = from_dict(RunConfig, meta["config"])
         cfg = apply_overrides(cfg, overrides) if overrides else cfg
         # --model_options.KEY VALUE applies to the rebuilt model, like --opt KEY=VALUE.
-        dotted = [key.split(".", 1)[1] for key in overrides if key.startswith("model_options.")]
+        # (--model_options.pool_options.max_iters sets the top-level key pool_options.)
+        dotted = [key.split(".")[1] for key in overrides if key.startswith("model_options.")]
         options = {**{key: cfg.model_options[key] for key in dotted}, **model_options(args)}
         model = load_model(args.checkpoint, device=args.device, **options)
         _warn_untrained(model)

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ks",
         type=_ints,
         default=None,
-        help=f"query counts (default {DEFAULT_KS}, those up to the model's query count)",
+        help=f"query counts (default {DEFAULT_KS}: those below the model's query count Q, then Q)",
     )
     parser.add_argument(
         "--thresholds", type=_floats, default=_floats("0.6,0.65,0.7,0.8,0.9,0.99"), help="DQS thresholds"
@@ -43,9 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _query_counts(given: list[int] | None, total: int) -> list[int]:
-    """The default list up to the model's ``Q``; a list the user gave must fit entirely."""
+    """The default list below the model's ``Q``, then ``Q``; a list the user gave must fit entirely."""
     if given is None:
-        return [k for k in _ints(DEFAULT_KS) if k <= total] or [total]
+        return [k for k in _ints(DEFAULT_KS) if k < total] + [total]
     too_many = [k for k in given if k > total]
     if too_many:
         raise ValueError(f"--ks {too_many} exceed the model's {total} latent queries")

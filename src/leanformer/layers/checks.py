@@ -3,16 +3,25 @@ a message naming it instead of a division by zero or a shape error deep inside t
 
 from __future__ import annotations
 
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+import operator
 
 
-def check_positive(**values: object) -> None:
-    """Every named value must be an integer >= 1; the error names the first that is not."""
+def as_int(value: object) -> int | None:
+    """``value`` as an int if it is an integer of any kind (numpy, 0-dim tensor), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def check_positive(*, minimum: int = 1, **values: object) -> None:
+    """Every named value must be an integer >= ``minimum``; the error names the first that is not."""
     for name, value in values.items():
-        if not _is_int(value) or value < 1:  # type: ignore[operator]
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        number = as_int(value)
+        if number is None or number < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def head_dim(dim: int, num_heads: int, *, dim_name: str = "dim") -> int:

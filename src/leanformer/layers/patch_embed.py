@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leanformer.layers.checks import check_positive
+from leanformer.layers.checks import as_int, check_positive
 
 
 def resample_pos_embed(pos_embed: Tensor, old_grid: tuple[int, int], new_grid: tuple[int, int]) -> Tensor:
@@ -45,11 +45,12 @@ class PatchEmbed(nn.Module):
 
 def to_2tuple(v: int | tuple[int, int] | list[int], *, name: str = "img_size") -> tuple[int, int]:
     """``224`` -> ``(224, 224)``; ``(H, W)`` stays; anything else, or sizes < 1, is a ``ValueError``."""
-    pair = (v, v) if isinstance(v, int) else tuple(v) if isinstance(v, tuple | list) else None
+    side = as_int(v)
+    pair = (v, v) if side is not None else tuple(v) if isinstance(v, tuple | list) else None
     if pair is None or len(pair) != 2:
         raise ValueError(f"{name} must be a size or a (height, width) pair, got {v!r}")
     check_positive(**{f"{name} height": pair[0], f"{name} width": pair[1]})
-    return (int(pair[0]), int(pair[1]))
+    return (int(pair[0]), int(pair[1]))  # type: ignore[call-overload]
 
 
 __all__ = ["PatchEmbed", "resample_pos_embed", "to_2tuple"]

@@ -52,7 +52,8 @@ class DeiT(nn.Module):
         pool_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        check_positive(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, depth=depth)
+        check_positive(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
+        check_positive(minimum=0, depth=depth)
         self.img_size = to_2tuple(img_size)
         if min(self.img_size) < patch_size:
             raise ValueError(f"img_size {self.img_size} is smaller than one patch ({patch_size})")

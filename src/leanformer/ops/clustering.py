@@ -130,9 +130,9 @@ def _symmetric_sq_dists(x: Tensor) -> Tensor:
     """``x [B, N, C]`` -> ``||x_i - x_j||^2`` as ``[B, N, N]``, bitwise symmetric, zero diagonal.
 
     From the Gram matrix ``G = x x^T`` alone: ``T = G_jj - G_ij``, then ``T + T^T``.
-    Floating-point addition commutes, so entry (i, j) equals entry (j, i) exactly, and
-    ``T_ii = 0`` exactly. Exact symmetry makes ties exact (e.g. the two members of a
-    2-token cluster have equal cost), so they go to the lower index as in the reference.
+    Floating-point addition commutes, so entry (i, j) equals entry (j, i) exactly. Exact
+    symmetry makes ties exact (e.g. the two members of a 2-token cluster have equal
+    cost), so they go to the lower index as in the reference.
     Reading ``|x_j|^2`` from the product's diagonal instead of a separate pass over ``x``
     saved 1 ms of a 21 ms layer (B=32, N=196, C=384). Not clamped at 0: only comparisons
     and sums are taken. A plain ``bmm`` then in-place updates is faster on CPU than one
@@ -141,7 +141,10 @@ def _symmetric_sq_dists(x: Tensor) -> Tensor:
     t = torch.bmm(x, x.transpose(1, 2))
     sq = t.diagonal(dim1=1, dim2=2).clone()  # |x_j|^2, copied before t is overwritten
     t.neg_().add_(sq[:, None, :])
-    return t + t.transpose(1, 2)
+    d = t + t.transpose(1, 2)
+    # Exact 0 even when |x_j|^2 overflows (inf - inf = NaN), e.g. large float16 tokens.
+    d.diagonal(dim1=1, dim2=2).zero_()
+    return d
 
 
 def _assign_to_medoids(dists: Tensor, medoids: Tensor) -> Tensor:

@@ -95,11 +95,15 @@ def check_sigma(sigma: object) -> float:
     The upper bound keeps the ``2 * ceil(3 sigma) + 1``-tap kernel allocatable; far below
     it the blur is already flat over any feature map.
     """
-    if not (isinstance(sigma, int | float) and math.isfinite(sigma) and 0 <= sigma <= MAX_SIGMA):
+    try:
+        value = float(sigma)  # type: ignore[arg-type]  # also numpy scalars and 0-dim tensors
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(sigma, bool | str) or not (math.isfinite(value) and 0 <= value <= MAX_SIGMA):
         raise ValueError(
             f"sigma must be a finite number in [0, {MAX_SIGMA:g}] (0 disables smoothing), got {sigma!r}"
         )
-    return float(sigma)
+    return value
 
 
 def gaussian_kernel1d(sigma: float, *, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -1,0 +1,52 @@
+"""Shared constructor checks: integers of any kind, clear names, sizes and sigma."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from leanformer.layers.checks import check_patch_grid, check_positive, head_dim
+from leanformer.layers.patch_embed import to_2tuple
+from leanformer.ops.entropy_map import check_sigma
+
+
+def test_integers_of_any_kind_are_accepted() -> None:
+    check_positive(a=3, b=np.int64(2), c=torch.tensor(5))
+    check_positive(minimum=0, depth=0)
+    assert head_dim(np.int64(24), 2) == 12
+    assert to_2tuple(np.int32(32)) == (32, 32)
+    assert to_2tuple((np.int64(16), torch.tensor(8))) == (16, 8)
+    assert to_2tuple(torch.Size([8, 16])) == (8, 16)
+    assert to_2tuple([4, 6]) == (4, 6)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: check_positive(depth=0), "depth must be an integer >= 1, got 0"),
+        (lambda: check_positive(depth=True), "depth must be an integer >= 1, got True"),
+        (lambda: check_positive(width=2.5), "width must be an integer >= 1, got 2.5"),
+        (lambda: check_positive(minimum=0, depth=-1), "depth must be an integer >= 0, got -1"),
+        (lambda: head_dim(30, 4), r"dim \(30\) must be divisible by num_heads \(4\)"),
+        (lambda: head_dim(30, 0), "num_heads must be an integer >= 1, got 0"),
+        (lambda: check_patch_grid((32, 30), 4), r"img_size \(32, 30\) is not a multiple of patch_size 4"),
+        (lambda: to_2tuple("abc"), "img_size must be a size or a"),
+        (lambda: to_2tuple((1, 2, 3)), "img_size must be a size or a"),
+        (lambda: to_2tuple((8, 0)), "img_size width must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_values_name_the_option(call, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_sigma() -> None:
+    assert (
+        check_sigma(np.float32(1.5)) == 1.5
+        and check_sigma(torch.tensor(2.0)) == 2.0
+        and check_sigma(0) == 0.0
+    )
+    for bad in (True, "1", -1.0, float("nan"), float("inf"), 1001.0):
+        with pytest.raises(ValueError, match="sigma must be a finite number in"):
+            check_sigma(bad)
