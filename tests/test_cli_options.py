@@ -231,3 +231,50 @@ def test_unreadable_inputs_and_paths(tmp_path: Path, capsys: Capture) -> None:
         assert f"{text} is a file, but a folder is needed there" in err
     err = _error(["visualize", "clusters", "--timm-model", "resnet18"], capsys)
     assert "timm model 'resnet18' does not take the options given" in err
+
+
+def test_checkpoint_options_that_change_trained_shapes(checkpoint: Path, capsys: Capture) -> None:
+    err = _error(["eval", "--checkpoint", str(checkpoint), "--opt", "embed_dim=64"], capsys)
+    assert "do not fit deit_test with the options embed_dim=64 (size mismatch for" in err
+
+
+@pytest.mark.parametrize(
+    ("opt", "message"),
+    [
+        ("mlp_ratio=-1", "mlp_ratio must be > 0"),
+        ("drop_path_rate=5", "drop_path_rate must be a number in [0, 1)"),
+        ("pool_options=[1, 2]", "pool_options must be a mapping"),
+    ],
+)
+def test_more_bad_deit_options(opt: str, message: str, capsys: Capture) -> None:
+    assert message in _error(["bench", "--model", "deit_test", "--opt", opt, "--runs", "1"], capsys)
+
+
+def test_bad_training_and_pooling_values(tmp_path: Path, capsys: Capture) -> None:
+    err = _error([*TRAIN, "--teacher", "deit_test", "--distill-tau", "nan", "--out", str(tmp_path)], capsys)
+    assert "train.distill_tau must be a finite number > 0" in err
+    argv = [
+        "bench",
+        "--model",
+        "deit_test",
+        "--pool",
+        "random",
+        "--keep",
+        "0.5",
+        "--opt",
+        "pool_options={seed: x}",
+    ]
+    assert "pooling option seed must be an integer" in _error(argv, capsys)
+    argv = ["visualize", "clusters", "--model", "deit_test", "--method", "powerbert", "--keep", "0,0,0"]
+    assert "a block would keep no patch tokens" in _error([*argv, "--out", str(tmp_path)], capsys)
+
+
+def test_tradeoff_timm_model_must_fit_the_data(tmp_path: Path, capsys: Capture) -> None:
+    timm = {"pretrained": False, "img_size": 32, "patch_size": 4, "in_chans": 3, "num_classes": 10}
+    timm.update(depth=1, embed_dim=32, num_heads=2)
+    sweep = {"timm_model": "deit_tiny_patch16_224", "timm_options": timm, "throughput": False}
+    sweep.update(data={"name": "digits", "limit_test": 16, "eval_batch_size": 16}, budgets=[0.5])
+    config = tmp_path / "sweep.yaml"
+    config.write_text(json.dumps(sweep))  # JSON is YAML
+    err = _error(["tradeoff", "--config", str(config), "--out", str(tmp_path / "out")], capsys)
+    assert "the timm model does not fit the data: in_chans=3 (data: 1)" in err

@@ -198,6 +198,30 @@ def with_method(
     return _apply_to_leanformer(model, method, keep, carry=carry, options=options)
 
 
+def check_timm_fits_data(model: nn.Module, info: Any) -> None:
+    """A timm ViT built with ``timm_options`` must take the data's channels, classes and size."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    if not isinstance(model, VisionTransformer):
+        return  # leanformer models take these from the data when they are built
+    embed = model.patch_embed
+    found = {
+        "in_chans": embed.proj.in_channels,
+        "num_classes": model.num_classes,
+        "img_size": embed.img_size[0] if embed.strict_img_size and embed.img_size else None,
+    }
+    wanted = {"in_chans": info.in_chans, "num_classes": info.num_classes, "img_size": info.img_size}
+    wrong = [
+        f"{k}={found[k]} (data: {v})"
+        for k, v in wanted.items()
+        if None not in (v, found[k]) and found[k] != v
+    ]
+    if wrong:
+        raise ValueError(
+            f"the timm model does not fit the data: {', '.join(wrong)}; set them in timm_options"
+        )
+
+
 def check_poolable(cls: type[nn.Module]) -> None:
     """Token pooling needs blocks that run on patch tokens: a DeiT (or a timm ViT, patched).
 
@@ -337,7 +361,9 @@ def run_sweep(
     if base is None:
         base = load_base_model(cfg, out_dir=out, progress=progress)
     base = base.to(cfg.device).eval()
-    test_loader = eval_loader(build_split(cfg.data, "test"), batch_size=cfg.data.eval_batch_size)
+    test_set = build_split(cfg.data, "test")
+    check_timm_fits_data(base, test_set.info)  # type: ignore[attr-defined]
+    test_loader = eval_loader(test_set, batch_size=cfg.data.eval_batch_size)
     tune_loader = (
         train_loader(build_split(cfg.data, "train"), batch_size=cfg.data.batch_size, seed=cfg.seed)
         if cfg.finetune_epochs

@@ -175,6 +175,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.bench.plots import plot_cluster_maps
     from leanformer.bench.tradeoff import with_method
     from leanformer.data.registry import build_dataset
+    from leanformer.engine.builders import check_data_fits
+    from leanformer.layers.budgets import resolve_keep
 
     if args.num_examples < 1:
         raise ValueError(f"--num-examples must be >= 1, got {args.num_examples}")
@@ -185,6 +187,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     data = build_dataset(args.data, split="test", **options)
     torch.manual_seed(args.seed)
     base = _load(args, data.info).to(args.device).eval()
+    check_data_fits(type(base), data.info, name=getattr(base, "leanformer_name", None))
+    budgets = resolve_keep(args.keep, depth=len(base.blocks))  # type: ignore[arg-type]
+    if any(isinstance(b, int) and b < 1 for b in budgets):
+        raise ValueError(
+            f"--keep {args.keep}: a block would keep no patch tokens, so there is nothing to draw"
+        )
     model = with_method(base, args.method, args.keep, carry=not args.no_carry, options={})
     n = min(args.num_examples, len(data))
     x = torch.stack([data[i][0] for i in range(n)]).to(args.device)

@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load_perceiver(args: argparse.Namespace, *, split: str) -> tuple[Any, Any]:
     """``(model, dataset)`` from ``--checkpoint`` (its own data config) or ``--model`` + ``--data``."""
     from leanformer.config import RunConfig, apply_overrides, from_dict, load_config
-    from leanformer.engine.builders import build_model, build_split
+    from leanformer.engine.builders import build_model, build_split, check_data_fits
 
     overrides = data_overrides(args)
     if getattr(args, "limit", None) is not None:
@@ -55,7 +55,10 @@ def load_perceiver(args: argparse.Namespace, *, split: str) -> tuple[Any, Any]:
         raise ValueError("give --checkpoint PATH (a trained Visual Perceiver) or --model NAME")
     if not isinstance(getattr(model, "num_queries", None), int):
         raise ValueError(f"{type(model).__name__} is not a Visual Perceiver (it has no latent queries)")
-    return model.to(args.device).eval(), build_split(cfg.data, split)
+    dataset = build_split(cfg.data, split)
+    info = dataset.info  # type: ignore[attr-defined]
+    check_data_fits(type(model), info, name=getattr(model, "leanformer_name", None))
+    return model.to(args.device).eval(), dataset
 
 
 def run(args: argparse.Namespace) -> list[dict]:

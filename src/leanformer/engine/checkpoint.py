@@ -153,7 +153,14 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", **overri
     if name is None:
         raise ValueError(f"checkpoint {path} does not name its model")
     model = create_model(name, **{**options, **overrides})
-    missing, unexpected = model.load_state_dict(ckpt.model_state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(ckpt.model_state, strict=False)
+    except RuntimeError as exc:  # a size mismatch: an override changed a trained tensor's shape
+        changed = ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none"
+        detail = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), "")
+        raise ValueError(
+            f"the weights in {path} do not fit {name} with the options {changed} ({detail})"
+        ) from None
     if missing and not overrides:
         raise ValueError(f"checkpoint {path} lacks weights the model needs: {', '.join(missing[:5])}")
     if unexpected:

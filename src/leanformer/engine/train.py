@@ -10,6 +10,7 @@ saved with the weights.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,8 @@ def _validate(cfg: RunConfig) -> None:
         raise ValueError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
     if t.grad_clip is not None and t.grad_clip <= 0:
         raise ValueError(f"train.grad_clip must be > 0 or none, got {t.grad_clip}")
+    if not (math.isfinite(t.distill_tau) and t.distill_tau > 0):
+        raise ValueError(f"train.distill_tau must be a finite number > 0, got {t.distill_tau}")
     if not 0.0 <= t.distill_weight <= 1.0:
         raise ValueError(f"train.distill_weight must be in [0, 1], got {t.distill_weight}")
     if d.batch_size < 1:

@@ -37,3 +37,10 @@ def check_patch_grid(img_size: tuple[int, int], patch_size: int) -> None:
     check_positive(patch_size=patch_size)
     if img_size[0] % patch_size or img_size[1] % patch_size:
         raise ValueError(f"img_size {img_size} is not a multiple of patch_size {patch_size}")
+
+
+def check_rates(**values: object) -> None:
+    """Every named value must be a probability in ``[0, 1)`` (dropout, drop-path)."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+            raise ValueError(f"{name} must be a number in [0, 1), got {value!r}")

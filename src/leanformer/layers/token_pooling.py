@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from leanformer.layers.budgets import Budget, budget_to_count, resolve_keep
+from leanformer.layers.checks import as_int
 from leanformer.ops.clustering import (
     InitMode,
     cluster_mean,
@@ -423,6 +424,8 @@ def build_reducers(
         raise ValueError(
             f"unknown option(s) {', '.join(unknown)} for pooling method {method!r} (valid: {valid})"
         )
+    if "seed" in options and as_int(options["seed"]) is None:
+        raise ValueError(f"pooling option seed must be an integer, got {options['seed']!r}")
     if method == "none":
         return [None] * depth
     if method == "conv":

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.layers.block import Block, ReducePosition
-from leanformer.layers.checks import check_positive
+from leanformer.layers.checks import check_positive, check_rates
 from leanformer.layers.classifier import classifier
 from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import PatchEmbed, resample_pos_embed, to_2tuple
@@ -53,6 +53,11 @@ class DeiT(nn.Module):
     ) -> None:
         super().__init__()
         check_positive(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
+        check_rates(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate)
+        if not mlp_ratio > 0:
+            raise ValueError(f"mlp_ratio must be > 0, got {mlp_ratio!r}")
+        if pool_options is not None and not isinstance(pool_options, dict):
+            raise ValueError(f"pool_options must be a mapping of option names, got {pool_options!r}")
         check_positive(minimum=0, depth=depth)
         self.img_size = to_2tuple(img_size)
         if min(self.img_size) < patch_size:

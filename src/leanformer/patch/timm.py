@@ -187,6 +187,8 @@ def create_timm_model(name: str, **kwargs: Any) -> nn.Module:
         return timm.create_model(name, **kwargs)
     except TypeError as exc:  # an option this architecture's constructor does not take
         raise ValueError(f"timm model {name!r} does not take the options given: {exc}") from None
+    except AssertionError as exc:  # timm asserts on inconsistent options (e.g. heads vs width)
+        raise ValueError(f"timm model {name!r} rejects the options given: {exc}") from None
 
 
 def timm_input_size(name: str) -> int | None:
