@@ -253,6 +253,9 @@ def test_more_bad_deit_options(opt: str, message: str, capsys: Capture) -> None:
 def test_bad_training_and_pooling_values(tmp_path: Path, capsys: Capture) -> None:
     err = _error([*TRAIN, "--teacher", "deit_test", "--distill-tau", "nan", "--out", str(tmp_path)], capsys)
     assert "train.distill_tau must be a finite number > 0" in err
+    assert "config key seed is not a section" in _error(
+        [*TRAIN, "--seed.x", "1", "--out", str(tmp_path)], capsys
+    )
     argv = [
         "bench",
         "--model",

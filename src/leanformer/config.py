@@ -171,6 +171,10 @@ def apply_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:
             sub = hints.get(part, dict) if cls is not dict else dict
             cls = sub if dataclasses.is_dataclass(sub) else dict
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):  # e.g. --seed.x: seed holds a value, not keys
+                raise ValueError(
+                    f"config key {'.'.join(parts[: depth + 1])} is not a section; {dotted} is invalid"
+                )
         leaf = parts[-1]
         if cls is not dict and leaf not in _field_types(cls):
             raise _unknown_key(dotted, cls)
