@@ -281,3 +281,22 @@ def test_tradeoff_timm_model_must_fit_the_data(tmp_path: Path, capsys: Capture) 
     config.write_text(json.dumps(sweep))  # JSON is YAML
     err = _error(["tradeoff", "--config", str(config), "--out", str(tmp_path / "out")], capsys)
     assert "the timm model does not fit the data: in_chans=3 (data: 1)" in err
+
+
+def test_config_file_seed_stands_unless_the_flag_is_typed(tmp_path: Path) -> None:
+    import yaml
+
+    config = tmp_path / "c.yaml"
+    config.write_text("model: deit_test\nseed: 7\n")
+    argv = [*TRAIN[:1], "--config", str(config), *TRAIN[3:], "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    assert yaml.safe_load((tmp_path / "a" / "config.yaml").read_text())["seed"] == 7
+    assert main([*argv, "--seed", "3", "--out", str(tmp_path / "b")]) == 0
+    assert yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())["seed"] == 3
+
+
+def test_resume_refuses_a_new_learning_rate(tmp_path: Path, capsys: Capture) -> None:
+    run = tmp_path / "run"
+    assert main([*TRAIN, "--out", str(run), "--quiet"]) == 0
+    err = _error([*TRAIN, "--epochs", "2", "--lr", "0.01", "--out", str(run), "--resume", "--quiet"], capsys)
+    assert "optim settings cannot change in a resumed run (lr 0.001 -> 0.01)" in err

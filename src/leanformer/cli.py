@@ -117,10 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(module, "ACCEPTS_OVERRIDES", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
+    # Which common options were typed: a config file's seed/device wins over their defaults.
+    words = sys.argv[1:] if argv is None else argv
+    args.given_options = {w.split("=", 1)[0] for w in words if w.startswith("--")}
     if getattr(args, "_group", None) and getattr(args, "name", None) is None:
         # `leanformer demo` alone runs the group's default; its own options keep their defaults.
         sub = build_parser().parse_args([args._group, module.COMMAND[1], *_common_argv(args)])
         sub.extra = []
+        sub.given_options = args.given_options
         args = sub
     try:
         import torch

@@ -53,6 +53,11 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, inherit: bool = Fal
     )
 
 
+def given(args: argparse.Namespace, option: str) -> bool:
+    """Whether ``option`` (e.g. ``"--seed"``) was typed on the command line, not defaulted."""
+    return option in getattr(args, "given_options", ())
+
+
 def discover() -> list[ModuleType]:
     """All command modules in this package, sorted by their command path."""
     import leanformer.commands as pkg

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from leanformer.commands import given
 from leanformer.commands._options import parse_keep
 
 COMMAND = ("tradeoff",)
@@ -43,7 +44,10 @@ def find_preset(name: str) -> Path:
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    overrides: dict[str, Any] = {"seed": args.seed, "device": args.device}
+    # The sweep file's seed and device stand unless the flags are typed.
+    overrides: dict[str, Any] = {
+        key: getattr(args, key) for key in ("seed", "device") if given(args, f"--{key}")
+    }
     if args.methods:
         overrides["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.budget:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from leanformer.commands import given
 from leanformer.commands._options import (
     add_data_arguments,
     add_model_arguments,
@@ -66,9 +67,13 @@ def build_config(args: argparse.Namespace, saved_config: Path | None = None) -> 
         value = getattr(args, flag)
         if value is not None:
             overrides[key] = value
-    if saved_config is None:
+    # A config file's seed and device stand unless the flags are typed; a resumed run
+    # keeps its seed regardless.
+    from_file = saved_config is not None or args.config is not None
+    if saved_config is None and (not from_file or given(args, "--seed")):
         overrides["seed"] = args.seed
-    overrides["device"] = args.device
+    if not from_file or given(args, "--device"):
+        overrides["device"] = args.device
     overrides.update(dotted_overrides(args.extra))
     return load_config(saved_config or args.config, overrides)
 

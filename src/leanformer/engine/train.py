@@ -213,6 +213,19 @@ def fit(
                     f"checkpoint in {out} is for {ckpt.meta.get('model_name')} "
                     f"{ckpt.meta.get('model_options')}, not {cfg.model} {model_options}"
                 )
+            # The optimizer and schedule resume from their saved state, which a new lr,
+            # floor or warmup would contradict; only the number of epochs may change.
+            saved_optim = dict(ckpt.meta.get("config", {}).get("optim", {}))
+            changed = [
+                f"{key} {saved_optim[key]} -> {getattr(cfg.optim, key)}"
+                for key in saved_optim
+                if key != "epochs" and hasattr(cfg.optim, key) and getattr(cfg.optim, key) != saved_optim[key]
+            ]
+            if changed:
+                raise ValueError(
+                    f"resume: optim settings cannot change in a resumed run ({', '.join(changed)}); "
+                    "only optim.epochs can"
+                )
             model.load_state_dict(ckpt.model_state)
             optimizer.load_state_dict(ckpt.optimizer_state)  # type: ignore[arg-type]
             scheduler.load_state_dict(ckpt.scheduler_state)  # type: ignore[arg-type]
