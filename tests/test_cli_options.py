@@ -300,3 +300,12 @@ def test_resume_refuses_a_new_learning_rate(tmp_path: Path, capsys: Capture) -> 
     assert main([*TRAIN, "--out", str(run), "--quiet"]) == 0
     err = _error([*TRAIN, "--epochs", "2", "--lr", "0.01", "--out", str(run), "--resume", "--quiet"], capsys)
     assert "optim settings cannot change in a resumed run (lr 0.001 -> 0.01)" in err
+
+
+def test_yes_no_options_datasets_needing_a_root_and_thread_counts(tmp_path: Path, capsys: Capture) -> None:
+    argv = ["bench", "--model", "deit_test", "--opt", "qkv_bias=maybe", "--runs", "1"]
+    assert "option qkv_bias must be true or false, got 'maybe'" in _error(argv, capsys)
+    err = _error(["eval", "--model", "drt_test", "--data", "paired_arrays"], capsys)
+    assert "dataset 'paired_arrays' needs the option 'root' (--data-root)" in err
+    assert "--threads must be in [1, 1024]" in _error(["models", "--threads", "100000"], capsys)
+    assert "unknown model ''" in _error(["train", "--model", "", "--out", str(tmp_path)], capsys)

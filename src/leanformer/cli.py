@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         if args.threads is not None:
-            if args.threads < 1:
-                raise ValueError(f"--threads must be >= 1, got {args.threads}")
+            if not 1 <= args.threads <= 1024:
+                raise ValueError(f"--threads must be in [1, 1024], got {args.threads}")
             torch.set_num_threads(args.threads)
         check_device(args.device)  # every command has the common --device option
         results = module.run(args)

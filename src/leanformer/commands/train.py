@@ -51,7 +51,7 @@ def build_config(args: argparse.Namespace, saved_config: Path | None = None) -> 
     A resumed run keeps its own seed: ``--seed`` is not applied over a saved config.
     """
     overrides: dict[str, Any] = {}
-    if args.model:
+    if args.model is not None:
         overrides["model"] = args.model
     for key, value in model_options(args).items():
         overrides[f"model_options.{key}"] = value

@@ -41,6 +41,8 @@ def load_perceiver(args: argparse.Namespace, *, split: str) -> tuple[Any, Any]:
         if args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         overrides["data.limit_test" if split == "test" else "data.limit_train"] = args.limit
+    if args.checkpoint and args.model:
+        raise ValueError("--model cannot be combined with --checkpoint: the checkpoint names its model")
     if args.checkpoint:
         from leanformer.engine.checkpoint import load_checkpoint, load_model
 

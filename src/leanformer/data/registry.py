@@ -73,6 +73,17 @@ def build_dataset(name: str, *, split: str, **options: Any) -> Dataset:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     builder = _BUILDERS[name]
     params = inspect.signature(builder).parameters
+    required = [
+        p
+        for p, spec in params.items()
+        if spec.kind is inspect.Parameter.KEYWORD_ONLY
+        and spec.default is inspect.Parameter.empty
+        and p != "split"
+    ]
+    missing = [p for p in required if p not in options]
+    if missing:
+        flag = " (--data-root)" if missing == ["root"] else ""
+        raise ValueError(f"dataset {name!r} needs the option {missing[0]!r}{flag}")
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         unknown = sorted(set(options) - set(params))
         if unknown:

@@ -95,6 +95,11 @@ def _check_options(name: str, cls: type[nn.Module], options: dict[str, Any]) -> 
                 else f"; options are {', '.join(sorted(accepted))}"
             )
             raise ValueError(f"model {name!r} has no option {key!r}{hint}")
+    # A yes/no option given a word ("maybe") would otherwise count as True.
+    defaults = {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()}
+    for key, value in options.items():
+        if isinstance(defaults.get(key), bool) and not isinstance(value, bool):
+            raise ValueError(f"model {name!r}: option {key} must be true or false, got {value!r}")
 
 
 def model_info(name: str) -> ModelEntry:
