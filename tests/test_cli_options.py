@@ -309,3 +309,12 @@ def test_yes_no_options_datasets_needing_a_root_and_thread_counts(tmp_path: Path
     assert "dataset 'paired_arrays' needs the option 'root' (--data-root)" in err
     assert "--threads must be in [1, 1024]" in _error(["models", "--threads", "100000"], capsys)
     assert "unknown model ''" in _error(["train", "--model", "", "--out", str(tmp_path)], capsys)
+
+
+def test_visualize_clusters_uses_the_checkpoint_image_size(
+    checkpoint: Path, tmp_path: Path, capsys: Capture
+) -> None:
+    argv = ["visualize", "--json", "clusters", "--checkpoint", str(checkpoint), "--keep", "0.5"]
+    assert main([*argv, "--num-examples", "1", "--out", str(tmp_path)]) == 0
+    (row,) = _rows(capsys)
+    assert Path(row["png"]).is_file()

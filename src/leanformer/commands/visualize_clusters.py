@@ -151,11 +151,17 @@ def _load(args: argparse.Namespace, info: Any) -> nn.Module:
 
 
 def _img_size(args: argparse.Namespace) -> int | None:
-    """The example size: ``--img-size``, else a timm model's own input size, else None (dataset's)."""
+    """The example size: ``--img-size``, else the size a checkpoint was trained at or a timm
+    model's own input size, else None (the dataset's)."""
     if args.img_size is not None:
         if args.img_size < 1:
             raise ValueError(f"--img-size must be >= 1, got {args.img_size}")
         return args.img_size
+    if args.checkpoint:
+        from leanformer.engine.checkpoint import load_checkpoint
+
+        size = load_checkpoint(args.checkpoint).meta.get("model_options", {}).get("img_size")
+        return int(size) if isinstance(size, int) else None
     if args.timm_model:
         from leanformer.patch.timm import timm_input_size
 
