@@ -23,7 +23,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from leanformer.ops.segment_sum import segment_sum
+from leanformer.ops.segment_sum import flat_rows, segment_sum
 
 InitMode = Literal["topk", "random"]
 
@@ -161,7 +161,7 @@ def _assign_to_medoids(dists: Tensor, medoids: Tensor) -> Tensor:
     """
     B, N, _ = dists.shape
     k = medoids.shape[1]
-    rows = dists.view(B * N, N).index_select(0, _flat_rows(medoids, N)).view(B, k, N)
+    rows = dists.view(B * N, N).index_select(0, flat_rows(medoids, N)).view(B, k, N)
     best = rows.amin(dim=1, keepdim=True)
     # 0 where a medoid reaches the minimum, 1 elsewhere; times k plus the medoid's position
     # makes the smallest key the first minimal medoid. float32 at least: integers stay exact.
@@ -170,16 +170,6 @@ def _assign_to_medoids(dists: Tensor, medoids: Tensor) -> Tensor:
     key = (rows - best).sign_().to(key_dtype).mul_(k).add_(order)
     assign = key.amin(dim=1).long()
     return assign.scatter(1, medoids, torch.arange(k, device=medoids.device).expand(B, k))
-
-
-def _flat_rows(index: Tensor, k: int) -> Tensor:
-    """``index [B, N]`` in ``[0, K)`` -> ``[B * N]`` row indices into a ``[B * K, ...]`` buffer.
-
-    ``index_select`` along dim 0 of a 2-D tensor copies whole rows, the fast CPU path;
-    ``gather`` with an index expanded over channels is ~10x slower.
-    """
-    offsets = torch.arange(index.shape[0], device=index.device)[:, None] * k
-    return (index + offsets).flatten()
 
 
 @torch.no_grad()
@@ -262,7 +252,7 @@ def kmeans_plan(
     x = x.detach()
     w = torch.ones(B, N, dtype=x.dtype, device=x.device) if weights is None else weights.detach().to(x.dtype)
     init = _default_init(init, weights, k, B, x.device)
-    centers = x.reshape(B * N, C).index_select(0, _flat_rows(init, N)).view(B, k, C)
+    centers = x.reshape(B * N, C).index_select(0, flat_rows(init, N)).view(B, k, C)
     # Seeds own their cluster (as for K-Medoids), so no cluster starts empty.
     assign = (
         pairwise_sq_dists(x, centers)
