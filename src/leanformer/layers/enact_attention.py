@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leanformer.layers.checks import head_dim
+from leanformer.layers.checks import check_rates, head_dim
 from leanformer.ops.entropy_map import (
     check_sigma,
     curvature_signs,
@@ -62,8 +62,7 @@ class DenseSelfAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, *, dropout: float = 0.0, bias: bool = True) -> None:
         super().__init__()
         self.head_dim = head_dim(d_model, num_heads, dim_name="d_model")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        check_rates(dropout=dropout)
         self.d_model = d_model
         self.num_heads = num_heads
         self.dropout = dropout

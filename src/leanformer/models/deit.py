@@ -52,7 +52,7 @@ class DeiT(nn.Module):
         pool_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        check_positive(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
+        check_positive(patch_size=patch_size)  # in_chans and embed_dim: PatchEmbed checks them
         check_rates(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate)
         if not mlp_ratio > 0:
             raise ValueError(f"mlp_ratio must be > 0, got {mlp_ratio!r}")

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.layers.block import Block
-from leanformer.layers.checks import check_patch_grid, check_positive
+from leanformer.layers.checks import check_patch_grid
 from leanformer.layers.classifier import classifier
 from leanformer.layers.cross_attention import CrossAttentionBlock
 from leanformer.layers.init import init_vit_weights
@@ -98,7 +98,6 @@ class VisualPerceiver(nn.Module):
             raise ValueError(f"num_queries must be >= 1, got {num_queries}")
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
-        check_positive(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
         self.img_size = to_2tuple(img_size)
         self.patch_size = patch_size
         check_patch_grid(self.img_size, patch_size)
