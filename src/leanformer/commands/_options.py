@@ -116,6 +116,18 @@ def forward_kwargs(args: argparse.Namespace, model: Any) -> dict[str, Any]:
     return kwargs
 
 
+def refuse_beside_checkpoint(
+    args: argparse.Namespace, *flags: str, names: str = "model", hint: str = ""
+) -> None:
+    """``--checkpoint`` names its model (and config): the ``flags`` that would too are refused."""
+    given = [flag for flag in flags if getattr(args, flag[2:].replace("-", "_"), None)]
+    if args.checkpoint and given:
+        raise ValueError(
+            f"{' and '.join(given)} cannot be combined with --checkpoint: "
+            f"the checkpoint names its {names}{hint}"
+        )
+
+
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("data")
     group.add_argument("--data", help="dataset name (digits, cifar10, imagefolder, digits_pairs, ...)")

@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 
-from leanformer.commands._options import add_model_arguments, forward_kwargs, model_options, parse_size
+from leanformer.commands._options import (
+    add_model_arguments,
+    forward_kwargs,
+    model_options,
+    parse_size,
+    refuse_beside_checkpoint,
+)
 
 COMMAND = ("bench",)
 HELP = "measure params, GFLOPs, throughput and peak memory"
@@ -30,8 +36,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     options = model_options(args)
     torch.manual_seed(args.seed)
-    if args.checkpoint and args.model:
-        raise ValueError("--model cannot be combined with --checkpoint: the checkpoint names its model")
+    refuse_beside_checkpoint(args, "--model")
     if args.checkpoint:
         from leanformer.engine.checkpoint import load_model
 

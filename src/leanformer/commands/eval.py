@@ -15,6 +15,7 @@ from leanformer.commands._options import (
     dotted_overrides,
     forward_kwargs,
     model_options,
+    refuse_beside_checkpoint,
 )
 from leanformer.config import RunConfig, apply_overrides, from_dict, load_config
 
@@ -36,12 +37,8 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
 
     overrides = {**data_overrides(args), **dotted_overrides(args.extra)}
     if args.checkpoint:
-        given = [flag for flag, value in (("--model", args.model), ("--config", args.config)) if value]
-        if given:
-            raise ValueError(
-                f"{' and '.join(given)} cannot be combined with --checkpoint: the checkpoint names its "
-                "model and config (change the model with --pool/--keep/--opt KEY=VALUE)"
-            )
+        hint = " (change the model with --pool/--keep/--opt KEY=VALUE)"
+        refuse_beside_checkpoint(args, "--model", "--config", names="model and config", hint=hint)
         meta = load_checkpoint(args.checkpoint).meta
         cfg = from_dict(RunConfig, meta["config"])
         cfg = apply_overrides(cfg, overrides) if overrides else cfg

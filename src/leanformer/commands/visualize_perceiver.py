@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from leanformer.commands._options import add_data_arguments, data_overrides
+from leanformer.commands._options import add_data_arguments, data_overrides, refuse_beside_checkpoint
 
 COMMAND = ("visualize", "perceiver-attention")
 HELP = "average cross-attention map per Perceiver query over a dataset, saved as a PNG grid"
@@ -41,8 +41,7 @@ def load_perceiver(args: argparse.Namespace, *, split: str) -> tuple[Any, Any]:
         if args.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {args.limit}")
         overrides["data.limit_test" if split == "test" else "data.limit_train"] = args.limit
-    if args.checkpoint and args.model:
-        raise ValueError("--model cannot be combined with --checkpoint: the checkpoint names its model")
+    refuse_beside_checkpoint(args, "--model")
     if args.checkpoint:
         from leanformer.engine.checkpoint import load_checkpoint, load_model
 
