@@ -131,11 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/clusters", help="output folder for the PNGs")
 
 
-def _load(args: argparse.Namespace, info: Any) -> nn.Module:
-    if args.checkpoint:
-        from leanformer.engine.checkpoint import load_model
-
-        return load_model(args.checkpoint, device=args.device)
+def _build(args: argparse.Namespace, info: Any) -> nn.Module:
+    """The model of ``--timm-model`` or ``--model`` (a checkpoint is loaded before the data)."""
     if args.timm_model:
         from leanformer.patch.timm import create_timm_model
 
@@ -150,18 +147,16 @@ def _load(args: argparse.Namespace, info: Any) -> nn.Module:
     return build_model(args.model or "deit_digits", {}, info)[0]
 
 
-def _img_size(args: argparse.Namespace) -> int | None:
-    """The example size: ``--img-size``, else the size a checkpoint was trained at or a timm
-    model's own input size, else None (the dataset's)."""
+def _img_size(args: argparse.Namespace, trained: nn.Module | None) -> int | None:
+    """The example size: ``--img-size``, else the size the ``trained`` checkpoint model takes
+    or a timm model's own input size, else None (the dataset's)."""
     if args.img_size is not None:
         if args.img_size < 1:
             raise ValueError(f"--img-size must be >= 1, got {args.img_size}")
         return args.img_size
-    if args.checkpoint:
-        from leanformer.engine.checkpoint import load_checkpoint
-
-        size = load_checkpoint(args.checkpoint).meta.get("model_options", {}).get("img_size")
-        return int(size) if isinstance(size, int) else None
+    if trained is not None:
+        height, width = getattr(trained, "img_size", (None, None))
+        return height if height == width else None
     if args.timm_model:
         from leanformer.patch.timm import timm_input_size
 
@@ -187,12 +182,17 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.num_examples < 1:
         raise ValueError(f"--num-examples must be >= 1, got {args.num_examples}")
     options: dict[str, Any] = {"root": args.data_root} if args.data_root else {}
-    img_size = _img_size(args)
+    trained = None
+    if args.checkpoint:
+        from leanformer.engine.checkpoint import load_model
+
+        trained = load_model(args.checkpoint, device=args.device)
+    img_size = _img_size(args, trained)
     if img_size is not None:
         options["img_size"] = img_size
     data = build_dataset(args.data, split="test", **options)
     torch.manual_seed(args.seed)
-    base = _load(args, data.info).to(args.device).eval()
+    base = (trained if trained is not None else _build(args, data.info)).to(args.device).eval()
     check_data_fits(type(base), data.info, name=getattr(base, "leanformer_name", None))
     budgets = resolve_keep(args.keep, depth=len(base.blocks))  # type: ignore[arg-type]
     if any(isinstance(b, int) and b < 1 for b in budgets):
