@@ -75,17 +75,25 @@ def _load_builtin_models() -> None:
             importlib.import_module(f"{pkg.__name__}.{info.name}")
 
 
-def accepted_options(cls: type[nn.Module]) -> set[str] | None:
-    params = inspect.signature(cls.__init__).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+def _init_params(cls: type[nn.Module]) -> dict[str, inspect.Parameter] | None:
+    """The constructor's named parameters, or None if it takes ``**kwargs`` (anything)."""
+    params = dict(inspect.signature(cls.__init__).parameters)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None  # accepts anything; the class validates itself
-    return {p.name for p in params if p.name != "self"}
+    params.pop("self", None)
+    return params
+
+
+def accepted_options(cls: type[nn.Module]) -> set[str] | None:
+    params = _init_params(cls)
+    return None if params is None else set(params)
 
 
 def _check_options(name: str, cls: type[nn.Module], options: dict[str, Any]) -> None:
-    accepted = accepted_options(cls)
-    if accepted is None:
+    params = _init_params(cls)
+    if params is None:
         return
+    accepted = set(params)
     for key in options:
         if key not in accepted:
             close = difflib.get_close_matches(key, sorted(accepted), n=3)
@@ -96,9 +104,8 @@ def _check_options(name: str, cls: type[nn.Module], options: dict[str, Any]) -> 
             )
             raise ValueError(f"model {name!r} has no option {key!r}{hint}")
     # A yes/no option given a word ("maybe") would otherwise count as True.
-    defaults = {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()}
     for key, value in options.items():
-        if isinstance(defaults.get(key), bool) and not isinstance(value, bool):
+        if isinstance(params[key].default, bool) and not isinstance(value, bool):
             raise ValueError(f"model {name!r}: option {key} must be true or false, got {value!r}")
 
 
