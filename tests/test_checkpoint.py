@@ -10,7 +10,7 @@ import torch
 
 import leanformer
 from leanformer.engine import checkpoint as ckpt_module
-from leanformer.engine.checkpoint import load_checkpoint, load_model, save_checkpoint
+from leanformer.engine.checkpoint import load_checkpoint, load_model, read_checkpoint_meta, save_checkpoint
 
 
 def _save(path: Path, model: torch.nn.Module, epoch: int) -> None:
@@ -70,3 +70,44 @@ def test_bad_files(tmp_path: Path) -> None:
     junk.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="not a readable"):
         load_checkpoint(junk)
+
+
+def test_readers_take_only_the_tensors_they_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The metadata reader reads no tensor, ``load_model`` only the model's (not the optimizer's)."""
+    path = tmp_path / "last.safetensors"
+    _save(path, leanformer.create_model("deit_test"), 4)
+    full = load_checkpoint(path)
+    read: list[str] = []
+    real_open = ckpt_module.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs) -> None:
+            self.handle = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            inner = self.handle.__enter__()
+
+            class Handle:
+                def metadata(self):
+                    return inner.metadata()
+
+                def keys(self):
+                    return inner.keys()
+
+                def get_tensor(self, key: str):
+                    read.append(key)
+                    return inner.get_tensor(key)
+
+            return Handle()
+
+        def __exit__(self, *exc) -> None:
+            self.handle.__exit__(*exc)
+
+    monkeypatch.setattr(ckpt_module, "safe_open", Recording)
+    assert read_checkpoint_meta(path) == full.meta
+    assert read == []
+    load_model(path)
+    assert sorted(read) == sorted(f"model.{k}" for k in full.model_state)
+    assert full.optimizer_state  # the file does hold optimizer tensors that were skipped
+    with pytest.raises(ValueError, match="does not exist"):
+        read_checkpoint_meta(tmp_path / "nope.safetensors")

@@ -33,13 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
-    from leanformer.engine.checkpoint import load_checkpoint, load_model
+    from leanformer.engine.checkpoint import load_model, read_checkpoint_meta
 
     overrides = {**data_overrides(args), **dotted_overrides(args.extra)}
     if args.checkpoint:
         hint = " (change the model with --pool/--keep/--opt KEY=VALUE)"
         refuse_beside_checkpoint(args, "--model", "--config", names="model and config", hint=hint)
-        meta = load_checkpoint(args.checkpoint).meta
+        meta = read_checkpoint_meta(args.checkpoint)
         cfg = from_dict(RunConfig, meta["config"])
         cfg = apply_overrides(cfg, overrides) if overrides else cfg
         # --model_options.KEY VALUE applies to the rebuilt model, like --opt KEY=VALUE.

@@ -43,9 +43,9 @@ def load_perceiver(args: argparse.Namespace, *, split: str) -> tuple[Any, Any]:
         overrides["data.limit_test" if split == "test" else "data.limit_train"] = args.limit
     refuse_beside_checkpoint(args, "--model")
     if args.checkpoint:
-        from leanformer.engine.checkpoint import load_checkpoint, load_model
+        from leanformer.engine.checkpoint import load_model, read_checkpoint_meta
 
-        cfg = from_dict(RunConfig, load_checkpoint(args.checkpoint).meta["config"])
+        cfg = from_dict(RunConfig, read_checkpoint_meta(args.checkpoint)["config"])
         cfg = apply_overrides(cfg, overrides) if overrides else cfg
         model = load_model(args.checkpoint, device=args.device)
     elif args.model:

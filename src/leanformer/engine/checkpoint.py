@@ -22,6 +22,9 @@ from torch import Tensor, nn
 
 FORMAT = "leanformer-checkpoint-1"
 META_KEY = "leanformer"
+_MODEL_PREFIX = "model."
+# Header entries that describe tensors of the file rather than the run.
+_STATE_KEYS = ("optimizer", "scheduler", "extra")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -88,7 +91,7 @@ def save_checkpoint(
     """Write ``path`` (``.safetensors``) and ``path.with_suffix('.json')`` atomically."""
     path = Path(path)
     tensors: dict[str, Tensor] = {
-        f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()
+        f"{_MODEL_PREFIX}{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()
     }
     state: dict[str, Any] = {"format": FORMAT, **meta}
     if optimizer is not None:
@@ -110,21 +113,44 @@ def save_checkpoint(
     return path
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Read a checkpoint written by :func:`save_checkpoint` (raises ``ValueError`` if it is not one)."""
+def _read(path: str | Path, *, prefix: str | None) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The metadata of checkpoint ``path`` and its tensors whose names start with ``prefix``
+    (none when ``prefix`` is None): readers take only what they use."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"checkpoint {path} does not exist")
     try:
         with safe_open(str(path), framework="pt") as handle:
             header = (handle.metadata() or {}).get(META_KEY)
-            tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118 - safe_open API
+            names = [] if prefix is None else [k for k in handle.keys() if k.startswith(prefix)]  # noqa: SIM118
+            data = {k: handle.get_tensor(k) for k in names}
     except Exception as exc:  # safetensors raises its own error types
         raise ValueError(f"{path} is not a readable safetensors checkpoint: {exc}") from None
     if header is None:
         raise ValueError(f"{path} has no leanformer metadata (not written by leanformer?)")
-    meta = json.loads(header)
-    model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    return json.loads(header), data
+
+
+def _model_state(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k[len(_MODEL_PREFIX) :]: v for k, v in tensors.items() if k.startswith(_MODEL_PREFIX)}
+
+
+def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """``load_checkpoint(path).meta`` (config, model name, epoch, ...) without reading the tensors.
+
+    For commands that need the run's configuration before :func:`load_model` reads the
+    weights: the header is a few kB, the tensors can be hundreds of MB.
+    """
+    meta, _ = _read(path, prefix=None)
+    for key in _STATE_KEYS:
+        meta.pop(key, None)
+    return meta
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a checkpoint written by :func:`save_checkpoint` (raises ``ValueError`` if it is not one)."""
+    meta, tensors = _read(path, prefix="")
+    model_state = _model_state(tensors)
     optimizer = meta.pop("optimizer", None)
     scheduler = meta.pop("scheduler", None)
     extra = meta.pop("extra", None)
@@ -147,14 +173,15 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", **overri
     """
     from leanformer.models.registry import create_model
 
-    ckpt = load_checkpoint(path)
-    name = ckpt.meta.get("model_name")
-    options = dict(ckpt.meta.get("model_options", {}))
+    # The model's tensors only: an optimizer's state can be twice their size.
+    meta, tensors = _read(path, prefix=_MODEL_PREFIX)
+    name = meta.get("model_name")
+    options = dict(meta.get("model_options", {}))
     if name is None:
         raise ValueError(f"checkpoint {path} does not name its model")
     model = create_model(name, **{**options, **overrides})
     try:
-        missing, unexpected = model.load_state_dict(ckpt.model_state, strict=False)
+        missing, unexpected = model.load_state_dict(_model_state(tensors), strict=False)
     except RuntimeError as exc:  # a size mismatch: an override changed a trained tensor's shape
         changed = ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none"
         detail = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), "")
