@@ -201,6 +201,32 @@ def test_huge_sigma_is_a_clear_error(capsys: Capture) -> None:
         ),
         (["--model", "detr_encoder_test", "--opt", "d_model=0"], "d_model must be an integer >= 1"),
         (["--model", "deit_test", "--num-queries", "4"], "--num-queries: only for Visual Perceiver models"),
+        # Found by a CLI fuzz: these used to end as exit-1 errors from inside torch.
+        (
+            ["--model", "visual_perceiver_test", "--opt", "depth=abc"],
+            "depth must be an integer >= 0, got 'abc'",
+        ),
+        (["--model", "visual_perceiver_test", "--opt", "num_queries=1.5"], "num_queries must be an integer"),
+        (["--model", "sret_test", "--opt", "loops=abc"], "loops must be an integer >= 1, got 'abc'"),
+        (["--model", "recursive_mixer_test", "--opt", "loops=abc"], "loops must be an integer >= 1"),
+        (
+            ["--model", "recursive_mixer_test", "--opt", "token_mlp_dim=-3"],
+            "token_mlp_dim must be an integer",
+        ),
+        (
+            ["--model", "detr_encoder_test", "--opt", "dim_feedforward=-5"],
+            "dim_feedforward must be an integer",
+        ),
+        (["--model", "drrt_test", "--opt", "relation_dim=-1"], "relation_dim must be an integer >= 1"),
+        (
+            ["--model", "drrt_test", "--opt", "map_recurrence=maybe"],
+            "map_recurrence must be true, false or null",
+        ),
+        # Floats used to be truncated (8.5 groups ran as 8).
+        (
+            ["--model", "sret_test", "--opt", "groups=[[8.5, 2], [4, 1], [1, 1]]"],
+            "groups[0][0] must be an integer >= 1, got 8.5",
+        ),
     ],
 )
 def test_bad_model_options_name_the_option(argv: list[str], message: str, capsys: Capture) -> None:
@@ -241,7 +267,7 @@ def test_checkpoint_options_that_change_trained_shapes(checkpoint: Path, capsys:
 @pytest.mark.parametrize(
     ("opt", "message"),
     [
-        ("mlp_ratio=-1", "mlp_ratio must be > 0"),
+        ("mlp_ratio=-1", "mlp_ratio must be a number > 0, got -1"),
         ("drop_path_rate=5", "drop_path_rate must be a number in [0, 1)"),
         ("pool_options=[1, 2]", "pool_options must be a mapping"),
     ],
