@@ -344,3 +344,56 @@ def test_visualize_clusters_uses_the_checkpoint_image_size(
     assert main([*argv, "--num-examples", "1", "--out", str(tmp_path)]) == 0
     (row,) = _rows(capsys)
     assert Path(row["png"]).is_file()
+
+
+@pytest.mark.parametrize(
+    ("model", "flags", "message"),
+    [
+        ("deit_test", ["--distill-weight", "0.3"], "train.distill_weight has no effect without --teacher"),
+        (
+            "deit_test",
+            ["--distill-tau", "1"],
+            "train.distill_tau has no effect without --teacher",
+        ),  # typed default
+        (
+            "visual_perceiver_test",
+            ["--train.query_distribution", "log_uniform"],
+            "train.query_distribution has no effect without --query-masking",
+        ),
+    ],
+)
+def test_train_options_without_effect_are_refused(
+    model: str, flags: list[str], message: str, tmp_path: Path, capsys: Capture
+) -> None:
+    """Options that only modify another one used to be accepted and ignored without it."""
+    argv = [*TRAIN[:2], model, *TRAIN[3:], *flags, "--out", str(tmp_path / "run")]
+    assert message in _error(argv, capsys)
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_config_file_options_without_effect_are_refused(tmp_path: Path, capsys: Capture) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("model: deit_test\ntrain: {distill_tau: 2.0}\n")
+    argv = ["train", "--config", str(config), *TRAIN[3:], "--out", str(tmp_path / "run")]
+    assert "train.distill_tau has no effect without --teacher" in _error(argv, capsys)
+
+
+def test_visualize_clusters_without_pooling_refuses_a_budget(tmp_path: Path, capsys: Capture) -> None:
+    argv = ["visualize", "clusters", "--model", "deit_test", "--method", "none", "--out", str(tmp_path)]
+    err = _error([*argv, "--keep", "0.5"], capsys)
+    assert "--keep cannot be combined with --method none: nothing is pooled" in err
+
+
+def test_tradeoff_refuses_timm_options_beside_a_checkpoint(tmp_path: Path, capsys: Capture) -> None:
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("checkpoint: x.safetensors\ntimm_options: {drop_rate: 0.5}\nbudgets: [0.5]\n")
+    err = _error(["tradeoff", "--config", str(sweep), "--out", str(tmp_path / "out")], capsys)
+    assert "timm_options: only applies to timm_model:" in err
+
+
+def test_options_that_take_effect_are_still_accepted(tmp_path: Path, capsys: Capture) -> None:
+    perceiver = [*TRAIN[:2], "visual_perceiver_test", *TRAIN[3:], "--quiet"]
+    argv = [*perceiver, "--query-masking", "--train.query_distribution", "log_uniform"]
+    assert main([*argv, "--out", str(tmp_path / "qm")]) == 0
+    argv = [*TRAIN, "--teacher", "deit_test", "--distill-weight", "0.3", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "kd")]) == 0

@@ -60,6 +60,8 @@ def test_config_validation() -> None:
     assert method_options(cfg, "kmeans") == {"max_iters": 3} and method_options(cfg, "merge") == {}
     with pytest.raises(ValueError, match="train: only applies to model"):
         sweep_config_from_dict({"checkpoint": "x.safetensors", "budgets": [0.5], "train": {"seed": 1}})
+    with pytest.raises(ValueError, match="timm_options: only applies to timm_model"):
+        sweep_config_from_dict({**ok, "timm_options": {"drop_rate": 0.5}})
 
 
 def test_points_and_labels() -> None:

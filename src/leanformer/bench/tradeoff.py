@@ -78,6 +78,8 @@ def validate(cfg: SweepConfig) -> None:
         raise ValueError("a sweep needs exactly one of checkpoint:, model: or timm_model:")
     if cfg.train and not cfg.model:
         raise ValueError("train: only applies to model: (a checkpoint or timm model is used as it is)")
+    if cfg.timm_options and not cfg.timm_model:
+        raise ValueError("timm_options: only applies to timm_model: (a checkpoint or model: ignores it)")
     known = list_methods()
     for m in methods_of(cfg):
         if m not in known:
