@@ -397,3 +397,15 @@ def test_options_that_take_effect_are_still_accepted(tmp_path: Path, capsys: Cap
     assert main([*argv, "--out", str(tmp_path / "qm")]) == 0
     argv = [*TRAIN, "--teacher", "deit_test", "--distill-weight", "0.3", "--quiet"]
     assert main([*argv, "--out", str(tmp_path / "kd")]) == 0
+
+
+def test_tradeoff_name_cannot_leave_the_runs_folder(
+    tmp_path: Path, capsys: Capture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("name: ../escaped\nmodel: deit_test\nbudgets: [0.5]\n")
+    assert "name: '../escaped' must be a plain folder name" in _error(
+        ["tradeoff", "--config", str(sweep)], capsys
+    )
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "runs").exists()

@@ -64,6 +64,15 @@ def test_config_validation() -> None:
         sweep_config_from_dict({**ok, "timm_options": {"drop_rate": 0.5}})
 
 
+@pytest.mark.parametrize("name", ["../x", "a/b", "..", ".", "", "a\\b"])
+def test_sweep_name_is_a_plain_folder_name(name: str) -> None:
+    """``name:`` becomes runs/<name>: ``../x`` used to write the results outside runs/."""
+    ok = {"model": "deit_test", "methods": ["wkmedoids"], "budgets": [0.5]}
+    with pytest.raises(ValueError, match="must be a plain folder name"):
+        sweep_config_from_dict({**ok, "name": name})
+    assert sweep_config_from_dict({**ok, "name": "my_sweep.v2"}).name == "my_sweep.v2"
+
+
 def test_points_and_labels() -> None:
     cfg = sweep_config_from_dict(
         {

@@ -73,6 +73,12 @@ def validate(cfg: SweepConfig) -> None:
     """Raise ``ValueError`` for anything the sweep would trip over half-way."""
     from leanformer.layers.token_pooling import list_methods
 
+    # The name is the default output folder, runs/<name>: a path there would write elsewhere.
+    if not cfg.name or cfg.name == "." or any(bad in cfg.name for bad in ("/", "\\", "..")):
+        raise ValueError(
+            f"name: {cfg.name!r} must be a plain folder name (the default output is runs/<name>); "
+            "it may not contain path separators or '..' (use --out for another folder)"
+        )
     sources = [s for s in (cfg.checkpoint, cfg.model, cfg.timm_model) if s]
     if len(sources) != 1:
         raise ValueError("a sweep needs exactly one of checkpoint:, model: or timm_model:")
