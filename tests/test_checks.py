@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from leanformer.layers.checks import check_patch_grid, check_positive, head_dim
+from leanformer.layers.checks import (
+    check_patch_grid,
+    check_positive,
+    check_positive_number,
+    check_sizes,
+    head_dim,
+)
 from leanformer.layers.patch_embed import to_2tuple
 from leanformer.ops.entropy_map import check_sigma
 
@@ -14,6 +20,10 @@ from leanformer.ops.entropy_map import check_sigma
 def test_integers_of_any_kind_are_accepted() -> None:
     check_positive(a=3, b=np.int64(2), c=torch.tensor(5))
     check_positive(minimum=0, depth=0)
+    check_positive(optional=True, width=None)
+    assert check_sizes("dims", (np.int64(8), 2)) == (8, 2)
+    check_positive_number(mlp_ratio=0.5)
+    check_positive_number(zero_ok=True, nll_ratio=0)
     assert head_dim(np.int64(24), 2) == 12
     assert to_2tuple(np.int32(32)) == (32, 32)
     assert to_2tuple((np.int64(16), torch.tensor(8))) == (16, 8)
@@ -28,6 +38,15 @@ def test_integers_of_any_kind_are_accepted() -> None:
         (lambda: check_positive(depth=True), "depth must be an integer >= 1, got True"),
         (lambda: check_positive(width=2.5), "width must be an integer >= 1, got 2.5"),
         (lambda: check_positive(minimum=0, depth=-1), "depth must be an integer >= 0, got -1"),
+        (lambda: check_positive(optional=True, width=0), "width must be an integer >= 1, got 0"),
+        (lambda: check_sizes("dims", [8, 2.5]), r"dims\[1\] must be an integer >= 1, got 2.5"),
+        (lambda: check_sizes("dims", 8), "dims must be a list of integers, got 8"),
+        (lambda: check_positive_number(mlp_ratio="abc"), "mlp_ratio must be a number > 0, got 'abc'"),
+        (lambda: check_positive_number(mlp_ratio=0), "mlp_ratio must be a number > 0, got 0"),
+        (
+            lambda: check_positive_number(zero_ok=True, nll_ratio=float("nan")),
+            "nll_ratio must be a number >= 0",
+        ),
         (lambda: head_dim(30, 4), r"dim \(30\) must be divisible by num_heads \(4\)"),
         (lambda: head_dim(30, 0), "num_heads must be an integer >= 1, got 0"),
         (lambda: check_patch_grid((32, 30), 4), r"img_size \(32, 30\) is not a multiple of patch_size 4"),

@@ -40,6 +40,20 @@ def test_bench_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
         (["bench", "--model", "deit_test", "--opt", "depthh=2"], "did you mean depth"),
         (["bench", "--model", "deit_test", "--bogus"], "unrecognized arguments"),
         (["bench", "--model", "deit_test", "--feature-size", "ax3"], "HxW"),
+        # An empty entry used to be dropped, shifting the later budgets by one block.
+        (
+            ["bench", "--model", "deit_test", "--pool", "powerbert", "--keep", "12,,8"],
+            "empty entry at position 2",
+        ),
+        (
+            ["bench", "--model", "deit_test", "--pool", "powerbert", "--keep", "4,2,"],
+            "empty entry at position 3",
+        ),
+        # --img-size used to be reported but unused beside --feature-size.
+        (
+            ["bench", "--model", "detr_encoder_test", "--feature-size", "6x7", "--img-size", "64"],
+            "argument --img-size: not allowed with argument --feature-size",
+        ),
         (["train", "--model", "deit_test", "--optim.lrr", "1"], "did you mean lr"),
         (["train", "--model", "deit_test", "--data", "nope"], "unknown dataset"),
         (["eval", "--checkpoint", "missing.safetensors"], "does not exist"),

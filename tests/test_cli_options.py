@@ -201,6 +201,32 @@ def test_huge_sigma_is_a_clear_error(capsys: Capture) -> None:
         ),
         (["--model", "detr_encoder_test", "--opt", "d_model=0"], "d_model must be an integer >= 1"),
         (["--model", "deit_test", "--num-queries", "4"], "--num-queries: only for Visual Perceiver models"),
+        # Found by a CLI fuzz: these used to end as exit-1 errors from inside torch.
+        (
+            ["--model", "visual_perceiver_test", "--opt", "depth=abc"],
+            "depth must be an integer >= 0, got 'abc'",
+        ),
+        (["--model", "visual_perceiver_test", "--opt", "num_queries=1.5"], "num_queries must be an integer"),
+        (["--model", "sret_test", "--opt", "loops=abc"], "loops must be an integer >= 1, got 'abc'"),
+        (["--model", "recursive_mixer_test", "--opt", "loops=abc"], "loops must be an integer >= 1"),
+        (
+            ["--model", "recursive_mixer_test", "--opt", "token_mlp_dim=-3"],
+            "token_mlp_dim must be an integer",
+        ),
+        (
+            ["--model", "detr_encoder_test", "--opt", "dim_feedforward=-5"],
+            "dim_feedforward must be an integer",
+        ),
+        (["--model", "drrt_test", "--opt", "relation_dim=-1"], "relation_dim must be an integer >= 1"),
+        (
+            ["--model", "drrt_test", "--opt", "map_recurrence=maybe"],
+            "map_recurrence must be true, false or null",
+        ),
+        # Floats used to be truncated (8.5 groups ran as 8).
+        (
+            ["--model", "sret_test", "--opt", "groups=[[8.5, 2], [4, 1], [1, 1]]"],
+            "groups[0][0] must be an integer >= 1, got 8.5",
+        ),
     ],
 )
 def test_bad_model_options_name_the_option(argv: list[str], message: str, capsys: Capture) -> None:
@@ -241,7 +267,7 @@ def test_checkpoint_options_that_change_trained_shapes(checkpoint: Path, capsys:
 @pytest.mark.parametrize(
     ("opt", "message"),
     [
-        ("mlp_ratio=-1", "mlp_ratio must be > 0"),
+        ("mlp_ratio=-1", "mlp_ratio must be a number > 0, got -1"),
         ("drop_path_rate=5", "drop_path_rate must be a number in [0, 1)"),
         ("pool_options=[1, 2]", "pool_options must be a mapping"),
     ],
@@ -318,3 +344,68 @@ def test_visualize_clusters_uses_the_checkpoint_image_size(
     assert main([*argv, "--num-examples", "1", "--out", str(tmp_path)]) == 0
     (row,) = _rows(capsys)
     assert Path(row["png"]).is_file()
+
+
+@pytest.mark.parametrize(
+    ("model", "flags", "message"),
+    [
+        ("deit_test", ["--distill-weight", "0.3"], "train.distill_weight has no effect without --teacher"),
+        (
+            "deit_test",
+            ["--distill-tau", "1"],
+            "train.distill_tau has no effect without --teacher",
+        ),  # typed default
+        (
+            "visual_perceiver_test",
+            ["--train.query_distribution", "log_uniform"],
+            "train.query_distribution has no effect without --query-masking",
+        ),
+    ],
+)
+def test_train_options_without_effect_are_refused(
+    model: str, flags: list[str], message: str, tmp_path: Path, capsys: Capture
+) -> None:
+    """Options that only modify another one used to be accepted and ignored without it."""
+    argv = [*TRAIN[:2], model, *TRAIN[3:], *flags, "--out", str(tmp_path / "run")]
+    assert message in _error(argv, capsys)
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_config_file_options_without_effect_are_refused(tmp_path: Path, capsys: Capture) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("model: deit_test\ntrain: {distill_tau: 2.0}\n")
+    argv = ["train", "--config", str(config), *TRAIN[3:], "--out", str(tmp_path / "run")]
+    assert "train.distill_tau has no effect without --teacher" in _error(argv, capsys)
+
+
+def test_visualize_clusters_without_pooling_refuses_a_budget(tmp_path: Path, capsys: Capture) -> None:
+    argv = ["visualize", "clusters", "--model", "deit_test", "--method", "none", "--out", str(tmp_path)]
+    err = _error([*argv, "--keep", "0.5"], capsys)
+    assert "--keep cannot be combined with --method none: nothing is pooled" in err
+
+
+def test_tradeoff_refuses_timm_options_beside_a_checkpoint(tmp_path: Path, capsys: Capture) -> None:
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("checkpoint: x.safetensors\ntimm_options: {drop_rate: 0.5}\nbudgets: [0.5]\n")
+    err = _error(["tradeoff", "--config", str(sweep), "--out", str(tmp_path / "out")], capsys)
+    assert "timm_options: only applies to timm_model:" in err
+
+
+def test_options_that_take_effect_are_still_accepted(tmp_path: Path, capsys: Capture) -> None:
+    perceiver = [*TRAIN[:2], "visual_perceiver_test", *TRAIN[3:], "--quiet"]
+    argv = [*perceiver, "--query-masking", "--train.query_distribution", "log_uniform"]
+    assert main([*argv, "--out", str(tmp_path / "qm")]) == 0
+    argv = [*TRAIN, "--teacher", "deit_test", "--distill-weight", "0.3", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "kd")]) == 0
+
+
+def test_tradeoff_name_cannot_leave_the_runs_folder(
+    tmp_path: Path, capsys: Capture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("name: ../escaped\nmodel: deit_test\nbudgets: [0.5]\n")
+    assert "name: '../escaped' must be a plain folder name" in _error(
+        ["tradeoff", "--config", str(sweep)], capsys
+    )
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "runs").exists()

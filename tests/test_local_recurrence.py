@@ -77,7 +77,7 @@ def test_bad_arguments() -> None:
         LocalRecurrence(4, hidden_act="softsign")
     with pytest.raises(ValueError, match="unknown output activation"):
         LocalRecurrence(4, out_act="nope")
-    with pytest.raises(ValueError, match="in_features must be >= 1"):
+    with pytest.raises(ValueError, match="in_features must be an integer >= 1"):
         LocalRecurrence(0)
     with pytest.raises(ValueError, match=r"expected a sequence \[B, N, 4\]"):
         LocalRecurrence(4)(torch.randn(2, 3, 5))

@@ -166,7 +166,7 @@ def test_bad_inputs() -> None:
         model(x, query_index=torch.zeros(3, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="unknown dqs_rule"):
         model(x, dqs_threshold=0.5, dqs_rule="greedy")
-    with pytest.raises(ValueError, match="num_queries must be >= 1"):
+    with pytest.raises(ValueError, match="num_queries must be an integer >= 1"):
         create_model("visual_perceiver_test", num_queries=0)
     with pytest.raises(ValueError, match="no option"):
         create_model("visual_perceiver_test", num_querys=4)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+import re
+from typing import Any
+
 import pytest
 import torch
 
@@ -86,6 +90,46 @@ def test_contract_tiny(name: str) -> None:
 def test_negative_class_count_rejected(name: str) -> None:
     with pytest.raises(ValueError, match="num_classes must be"):
         leanformer.create_model(name, num_classes=-2)
+
+
+def _integer_options(name: str) -> list[tuple[str, str, Any]]:
+    """``(option, annotation, default)`` for every constructor option typed with ``int``."""
+    entry = model_info(name)
+    params = inspect.signature(entry.cls.__init__).parameters
+    return [
+        (key, str(p.annotation), entry.defaults.get(key, p.default))
+        for key, p in params.items()
+        if re.search(r"\bint\b", str(p.annotation))
+    ]
+
+
+def _bad_values(key: str, annotation: str, default: Any) -> list[tuple[Any, str]]:
+    """Wrongly typed or out-of-range values for an integer option, and the name its error must give."""
+    if annotation.startswith("Sequence[Sequence[int]]"):  # e.g. SReT's groups per stage and pass
+        first = list(default[0])
+        return [([[*first[:-1], v], *default[1:]], f"{key}[0][{len(first) - 1}]") for v in (1.5, -1, "x")]
+    if annotation.startswith("Sequence[int]"):  # one size per stage
+        return [("abc", key)] + [([*default[:-1], v], f"{key}[{len(default) - 1}]") for v in (1.5, -1, "x")]
+    return [(v, key) for v in ("abc", 1.5, -1, [2, 3, 4])]
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_every_integer_option_is_checked(name: str) -> None:
+    """Every integer option of every family refuses a word, a float and a negative with a
+    ``ValueError`` naming it (the CLI's exit code 2), never an error from inside torch."""
+    options = _integer_options(name)
+    assert options
+    for key, annotation, default in options:
+        for bad, named in _bad_values(key, annotation, default):
+            with pytest.raises(ValueError, match=re.escape(named)):
+                leanformer.create_model(name, **{key: bad})
+
+
+@pytest.mark.parametrize("name", ["drrt_test"])
+def test_optional_yes_no_options_refuse_words(name: str) -> None:
+    with pytest.raises(ValueError, match="option map_recurrence must be true, false or null, got 'maybe'"):
+        leanformer.create_model(name, map_recurrence="maybe")
+    assert leanformer.create_model(name, map_recurrence=None).map_recurrence is True
 
 
 @pytest.mark.slow

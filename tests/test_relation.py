@@ -194,7 +194,7 @@ def test_bad_region_labels(pair) -> None:
         rel(a, b, REGION_A.float(), REGION_B)
     with pytest.raises(ValueError, match="labels for 3 examples but the batch has 2"):
         rel(a, b, REGION_A[:1].expand(3, -1), REGION_B)
-    with pytest.raises(ValueError, match="num_regions must be >= 1"):
+    with pytest.raises(ValueError, match="num_regions must be an integer >= 1"):
         RegionalRelation(8, 5, num_regions=0)
     with pytest.raises(ValueError, match="unknown relation form 'bilinear'"):
         GlobalRelation(8, 5, form="bilinear")

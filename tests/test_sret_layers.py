@@ -131,6 +131,8 @@ def test_bad_group_counts_raise(attn: SlicedGroupAttention) -> None:
         SlicedGroupAttention(10, num_heads=3)
     with pytest.raises(ValueError, match="entries"):
         SlicedBlock(16, num_heads=2, groups=(4, 2), permute=(True,))
+    with pytest.raises(ValueError, match=r"groups\[0\] must be an integer >= 1, got 8.5"):
+        SlicedBlock(16, num_heads=2, groups=(8.5, 2))  # used to run as 8 groups
 
 
 def test_gradients_flow_through_permutation() -> None:

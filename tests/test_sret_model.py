@@ -131,7 +131,7 @@ def test_indivisible_token_count_raises() -> None:
     [
         (dict(groups=((8, 2), (4, 1))), "one entry per stage"),
         (dict(groups=((8, 2, 1), (4, 1), (1, 1))), "one entry per loop"),
-        (dict(groups=((0, 2), (4, 1), (1, 1))), "groups must be >= 1"),
+        (dict(groups=((0, 2), (4, 1), (1, 1))), r"groups\[0\]\[0\] must be an integer >= 1, got 0"),
         (dict(permutation="PI"), "permutation must be one of"),
         (dict(lrc="all"), "lrc must be one of"),
         (dict(embed_dims=(16, 24, 48)), "multiple of embed_dims"),

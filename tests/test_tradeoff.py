@@ -60,6 +60,17 @@ def test_config_validation() -> None:
     assert method_options(cfg, "kmeans") == {"max_iters": 3} and method_options(cfg, "merge") == {}
     with pytest.raises(ValueError, match="train: only applies to model"):
         sweep_config_from_dict({"checkpoint": "x.safetensors", "budgets": [0.5], "train": {"seed": 1}})
+    with pytest.raises(ValueError, match="timm_options: only applies to timm_model"):
+        sweep_config_from_dict({**ok, "timm_options": {"drop_rate": 0.5}})
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "..", ".", "", "a\\b"])
+def test_sweep_name_is_a_plain_folder_name(name: str) -> None:
+    """``name:`` becomes runs/<name>: ``../x`` used to write the results outside runs/."""
+    ok = {"model": "deit_test", "methods": ["wkmedoids"], "budgets": [0.5]}
+    with pytest.raises(ValueError, match="must be a plain folder name"):
+        sweep_config_from_dict({**ok, "name": name})
+    assert sweep_config_from_dict({**ok, "name": "my_sweep.v2"}).name == "my_sweep.v2"
 
 
 def test_points_and_labels() -> None:

@@ -73,11 +73,19 @@ def validate(cfg: SweepConfig) -> None:
     """Raise ``ValueError`` for anything the sweep would trip over half-way."""
     from leanformer.layers.token_pooling import list_methods
 
+    # The name is the default output folder, runs/<name>: a path there would write elsewhere.
+    if not cfg.name or cfg.name == "." or any(bad in cfg.name for bad in ("/", "\\", "..")):
+        raise ValueError(
+            f"name: {cfg.name!r} must be a plain folder name (the default output is runs/<name>); "
+            "it may not contain path separators or '..' (use --out for another folder)"
+        )
     sources = [s for s in (cfg.checkpoint, cfg.model, cfg.timm_model) if s]
     if len(sources) != 1:
         raise ValueError("a sweep needs exactly one of checkpoint:, model: or timm_model:")
     if cfg.train and not cfg.model:
         raise ValueError("train: only applies to model: (a checkpoint or timm model is used as it is)")
+    if cfg.timm_options and not cfg.timm_model:
+        raise ValueError("timm_options: only applies to timm_model: (a checkpoint or model: ignores it)")
     known = list_methods()
     for m in methods_of(cfg):
         if m not in known:

@@ -36,8 +36,14 @@ def parse_keep(text: str) -> Any:
     """A preset name (``deit_s_level3``), a ratio (``0.5``) or a list (``64,32,16`` / ``[64, 32]``)."""
     value = parse_scalar(text)
     if isinstance(value, str) and "," in value:
+        entries = [v.strip() for v in value.split(",")]
+        # An empty entry ("12,,8") is a typo, not a shorter schedule: dropping it would shift
+        # every later budget to the block before it.
+        empty = [i for i, v in enumerate(entries, start=1) if not v]
+        if empty:
+            raise argparse.ArgumentTypeError(f"--keep list {text!r}: empty entry at position {empty[0]}")
         try:
-            return [int(v) for v in value.split(",") if v.strip()]
+            return [int(v) for v in entries]
         except ValueError:
             raise argparse.ArgumentTypeError(f"--keep list must hold integers, got {text!r}") from None
     return value

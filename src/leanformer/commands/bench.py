@@ -22,8 +22,11 @@ HELP = "measure params, GFLOPs, throughput and peak memory"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, model_required=False)
     parser.add_argument("--checkpoint", help="bench a trained checkpoint instead of --model")
-    parser.add_argument("--img-size", type=int, help="input size (default: the model's)")
-    parser.add_argument("--feature-size", type=parse_size, help="feature-map size HxW for encoder models")
+    # One input size or the other: an encoder's feature map comes from --feature-size when
+    # given, so an --img-size beside it would be reported but unused.
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--img-size", type=int, help="input size (default: the model's)")
+    size.add_argument("--feature-size", type=parse_size, help="feature-map size HxW for encoder models")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--runs", type=int, default=10)

@@ -75,7 +75,12 @@ def build_config(args: argparse.Namespace, saved_config: Path | None = None) -> 
     if not from_file or given(args, "--device"):
         overrides["device"] = args.device
     overrides.update(dotted_overrides(args.extra))
-    return load_config(saved_config or args.config, overrides)
+    config = load_config(saved_config or args.config, overrides)
+    from leanformer.engine.train import check_dependent_options
+
+    # What was typed counts even at its default value (--distill-tau 1 without --teacher).
+    check_dependent_options(config, given=overrides)
+    return config
 
 
 def _saved_config(args: argparse.Namespace) -> Path | None:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from leanformer.commands import given
 from leanformer.commands._options import parse_keep
 
 COMMAND = ("visualize", "clusters")
@@ -174,13 +175,16 @@ def _to_image(x: Tensor) -> Any:
 
 def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.bench.plots import plot_cluster_maps
-    from leanformer.bench.tradeoff import with_method
+    from leanformer.bench.tradeoff import BASELINE, with_method
     from leanformer.data.registry import build_dataset
     from leanformer.engine.builders import check_data_fits
     from leanformer.layers.budgets import resolve_keep
 
     if args.num_examples < 1:
         raise ValueError(f"--num-examples must be >= 1, got {args.num_examples}")
+    ignored = [flag for flag in ("--keep", "--no-carry") if given(args, flag)]
+    if args.method == BASELINE and ignored:
+        raise ValueError(f"{' and '.join(ignored)} cannot be combined with --method none: nothing is pooled")
     options: dict[str, Any] = {"root": args.data_root} if args.data_root else {}
     trained = None
     if args.checkpoint:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import yaml
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from leanformer.config import RunConfig, to_dict
+from leanformer.config import RunConfig, TrainConfig, to_dict
 from leanformer.data.loaders import eval_loader, train_loader
 from leanformer.engine.builders import build_model, build_split
 from leanformer.engine.checkpoint import atomic_write_bytes, load_checkpoint, save_checkpoint
@@ -72,6 +73,29 @@ def _validate(cfg: RunConfig) -> None:
         raise ValueError(f"train.distill_weight must be in [0, 1], got {t.distill_weight}")
     if d.batch_size < 1:
         raise ValueError(f"data.batch_size must be >= 1, got {d.batch_size}")
+    check_dependent_options(cfg)
+
+
+# train.* options that only modify another one (key -> the option it needs, and its flag).
+_DEPENDENT = {
+    "distill_weight": ("teacher", "--teacher"),
+    "distill_tau": ("teacher", "--teacher"),
+    "query_distribution": ("query_masking", "--query-masking"),
+}
+
+
+def check_dependent_options(cfg: RunConfig, given: Collection[str] = ()) -> None:
+    """Refuse a ``train.*`` option that would be accepted and ignored because the option it
+    modifies is off: a value other than the default, or one ``given`` explicitly (dotted
+    keys such as ``"train.distill_tau"``; a typed default is as ignored as any other value)."""
+    t, defaults = cfg.train, TrainConfig()
+    for key, (needed, flag) in _DEPENDENT.items():
+        if getattr(t, needed) not in (None, False):
+            continue
+        if getattr(t, key) != getattr(defaults, key) or f"train.{key}" in given:
+            raise ValueError(
+                f"train.{key} has no effect without {flag} (train.{needed}); give {flag} or leave it out"
+            )
 
 
 def _build_teacher(cfg: RunConfig, info: Any, device: torch.device) -> nn.Module | None:

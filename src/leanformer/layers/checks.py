@@ -3,6 +3,7 @@ a message naming it instead of a division by zero or a shape error deep inside t
 
 from __future__ import annotations
 
+import math
 import operator
 
 
@@ -16,12 +17,36 @@ def as_int(value: object) -> int | None:
         return None
 
 
-def check_positive(*, minimum: int = 1, **values: object) -> None:
-    """Every named value must be an integer >= ``minimum``; the error names the first that is not."""
+def check_positive(*, minimum: int = 1, optional: bool = False, **values: object) -> None:
+    """Every named value must be an integer >= ``minimum``; the error names the first that is not.
+
+    ``optional``: None passes too (an option whose None means "derive it", e.g. a width
+    defaulting to the model's). 0 does not: ``width or default`` would silently read it as None.
+    """
     for name, value in values.items():
+        if optional and value is None:
+            continue
         number = as_int(value)
         if number is None or number < minimum:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_sizes(name: str, values: object, *, minimum: int = 1) -> tuple[int, ...]:
+    """``values`` as a tuple of ints: a list or tuple of integers >= ``minimum`` (e.g. one per
+    stage); the error names the entry (``embed_dims[1]``). Floats are refused, not truncated."""
+    if not isinstance(values, list | tuple):
+        raise ValueError(f"{name} must be a list of integers, got {values!r}")
+    check_positive(minimum=minimum, **{f"{name}[{i}]": v for i, v in enumerate(values)})
+    return tuple(operator.index(v) for v in values)  # type: ignore[arg-type]
+
+
+def check_positive_number(*, zero_ok: bool = False, **values: object) -> None:
+    """Every named value must be a finite number > 0, or >= 0 with ``zero_ok`` (where 0 switches
+    something off, e.g. ``nll_ratio``): width ratios, scales, fractions."""
+    for name, value in values.items():
+        number = value if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+        if not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok):
+            raise ValueError(f"{name} must be a number {'>= 0' if zero_ok else '> 0'}, got {value!r}")
 
 
 def head_dim(dim: int, num_heads: int, *, dim_name: str = "dim") -> int:

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from leanformer.layers.checks import check_positive
+
 ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "identity": lambda x: x,
     "tanh": torch.tanh,
@@ -66,12 +68,10 @@ class LocalRecurrence(nn.Module):
         out_act: str = "identity",
     ) -> None:
         super().__init__()
-        if in_features < 1:
-            raise ValueError(f"in_features must be >= 1, got {in_features}")
+        check_positive(in_features=in_features)
+        check_positive(optional=True, hidden_features=hidden_features, out_features=out_features)
         hidden = hidden_features or in_features
         out = out_features or in_features
-        if hidden < 1 or out < 1:
-            raise ValueError(f"hidden/out features must be >= 1, got {hidden}/{out}")
         self.hidden_act_name = hidden_act
         self.hidden_act = get_activation(hidden_act, "hidden activation")
         self.out_act_name = out_act

@@ -19,7 +19,7 @@ from timm.layers import trunc_normal_
 from torch import Tensor, nn
 
 from leanformer.layers.block import Block
-from leanformer.layers.checks import check_patch_grid, head_dim
+from leanformer.layers.checks import check_patch_grid, check_positive, head_dim
 from leanformer.layers.patch_embed import PatchEmbed, resample_pos_embed, to_2tuple
 
 
@@ -47,8 +47,7 @@ class _Encoder(nn.Module):
 
     def __init__(self, dim: int, *, depth: int, num_heads: int, mlp_ratio: float, drop: float) -> None:
         super().__init__()
-        if depth < 0:
-            raise ValueError(f"extractor depth must be >= 0, got {depth}")
+        check_positive(minimum=0, extractor_depth=depth)
         if depth:
             head_dim(dim, num_heads)
         self.blocks = nn.ModuleList(
@@ -159,9 +158,8 @@ class PointTokens(nn.Module):
         drop: float = 0.0,
     ) -> None:
         super().__init__()
-        self.grid = to_2tuple(grid)
-        if min(self.grid) < 1 or point_features < 1:
-            raise ValueError(f"bad point grid {self.grid} or point_features {point_features}")
+        self.grid = to_2tuple(grid, name="points_grid")
+        check_positive(point_features=point_features)
         self.num_tokens = self.grid[0] * self.grid[1]
         self.point_features = point_features
         self.dim = dim

@@ -22,6 +22,7 @@ from functools import partial
 from timm.layers import Mlp
 from torch import Tensor, nn
 
+from leanformer.layers.checks import check_positive, check_positive_number
 from leanformer.layers.residual_coeffs import LearnableResidual, LRCMode
 
 # Transformer LayerNorm (eps 1e-6 as in DeiT/SReT), shared as a default argument.
@@ -42,8 +43,7 @@ class NonLinearProjection(nn.Module):
         act_layer: type[nn.Module] = nn.GELU,
     ) -> None:
         super().__init__()
-        if ratio <= 0:
-            raise ValueError(f"NLL ratio must be > 0, got {ratio}")
+        check_positive_number(nll_ratio=ratio)
         self.norm = norm_layer(dim)
         self.mlp = Mlp(in_features=dim, hidden_features=int(dim * ratio), act_layer=act_layer, drop=drop)
         self.res = LearnableResidual(mode=lrc)
@@ -71,12 +71,10 @@ class RecursiveStage(nn.Module):
         norm_layer: type[nn.Module] | partial[nn.Module] = LAYER_NORM,
     ) -> None:
         super().__init__()
-        if loops < 1:
-            raise ValueError(f"loops must be >= 1, got {loops}")
+        check_positive(loops=loops)
         if len(blocks) < 1:
             raise ValueError("a recursive stage needs at least one block")
-        if nll_ratio < 0:
-            raise ValueError(f"nll_ratio must be >= 0 (0 disables the NLL layers), got {nll_ratio}")
+        check_positive_number(zero_ok=True, nll_ratio=nll_ratio)  # 0 disables the NLL layers
         self.loops = loops
         self.blocks = nn.ModuleList(blocks)
         n = len(blocks) * loops

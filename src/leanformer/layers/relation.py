@@ -33,6 +33,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor, nn
 
+from leanformer.layers.checks import check_positive
+
 RelationForm = Literal["additive", "linear", "dot"]
 RELATION_FORMS: tuple[str, ...] = get_args(RelationForm)
 
@@ -50,6 +52,7 @@ class PairScore(nn.Module):
         super().__init__()
         if form not in RELATION_FORMS:
             raise ValueError(f"unknown relation form {form!r}; choose from {', '.join(RELATION_FORMS)}")
+        check_positive(optional=True, relation_dim=relation_dim)  # 0 is not "the default"
         d = relation_dim or min(dim_a, dim_b)
         self.form = form
         self.relation_dim = d
@@ -126,8 +129,7 @@ class RegionalRelation(nn.Module):
         form: str = "additive",
     ) -> None:
         super().__init__()
-        if num_regions < 1:
-            raise ValueError(f"num_regions must be >= 1, got {num_regions}")
+        check_positive(num_regions=num_regions)
         self.dim_a, self.dim_b = dim_a, dim_b
         self.num_regions = num_regions
         self.pair = PairScore(dim_a, dim_b, relation_dim=relation_dim, form=form)

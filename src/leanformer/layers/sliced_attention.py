@@ -28,7 +28,7 @@ import torch
 from timm.layers import DropPath, Mlp
 from torch import Tensor, nn
 
-from leanformer.layers.checks import head_dim
+from leanformer.layers.checks import check_sizes, head_dim
 from leanformer.layers.residual_coeffs import LearnableResidual, LRCMode, check_lrc_mode
 from leanformer.ops.attention import attention
 
@@ -148,14 +148,12 @@ class SlicedBlock(nn.Module):
         act_layer: type[nn.Module] = nn.GELU,
     ) -> None:
         super().__init__()
-        self.groups = tuple(int(g) for g in groups)
+        self.groups = check_sizes("groups", groups)  # 8.5 groups is an error, not 8
         self.permute = tuple(
             bool(p) for p in (permute if permute is not None else [False] * len(self.groups))
         )
         if len(self.permute) != len(self.groups):
             raise ValueError(f"permute has {len(self.permute)} entries for {len(self.groups)} passes")
-        if any(g < 1 for g in self.groups):
-            raise ValueError(f"groups must be >= 1, got {self.groups}")
         check_lrc_mode(lrc)
         self.inverse = inverse
         self.perm_seed = perm_seed

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.layers.block import Block, ReducePosition
-from leanformer.layers.checks import check_positive, check_rates
+from leanformer.layers.checks import check_positive, check_positive_number, check_rates
 from leanformer.layers.classifier import classifier
 from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import PatchEmbed, resample_pos_embed, to_2tuple
@@ -54,8 +54,9 @@ class DeiT(nn.Module):
         super().__init__()
         check_positive(patch_size=patch_size)  # in_chans and embed_dim: PatchEmbed checks them
         check_rates(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate)
-        if not mlp_ratio > 0:
-            raise ValueError(f"mlp_ratio must be > 0, got {mlp_ratio!r}")
+        check_positive_number(mlp_ratio=mlp_ratio)
+        if init_values is not None:
+            check_positive_number(zero_ok=True, init_values=init_values)  # 0 or None: no LayerScale
         if pool_options is not None and not isinstance(pool_options, dict):
             raise ValueError(f"pool_options must be a mapping of option names, got {pool_options!r}")
         check_positive(minimum=0, depth=depth)

@@ -91,7 +91,13 @@ class DETREncoder(nn.Module):
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
         check_sigma(sigma)  # here too, so that a dense model rejects it the same way
-        check_positive(in_chans=in_chans, d_model=d_model, num_layers=num_layers)
+        check_positive(
+            in_chans=in_chans,
+            d_model=d_model,
+            num_layers=num_layers,
+            dim_feedforward=dim_feedforward,
+            backbone_stride=backbone_stride,
+        )
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.img_size = to_2tuple(img_size)

@@ -32,6 +32,7 @@ import torch
 from timm.layers import trunc_normal_
 from torch import Tensor, nn
 
+from leanformer.layers.checks import check_positive, check_positive_number, check_rates
 from leanformer.layers.classifier import classifier
 from leanformer.layers.interaction import FUSIONS, InteractionTransformer, RelationMapRecurrence
 from leanformer.layers.local_recurrence import LocalRecurrence
@@ -117,6 +118,18 @@ class DRRT(nn.Module):
             raise ValueError(f"unknown relation form {relation!r}; choose from {', '.join(RELATION_FORMS)}")
         if fusion == "concat" and relations != "both":
             raise ValueError("fusion='concat' needs relations='both'")
+        # Checked here, not only in the layers: the model reads `x or dim`, which would
+        # silently take 0 for "the default", and the layers' errors name their own arguments.
+        check_positive(dim=dim)
+        check_positive(
+            optional=True,
+            rnn_hidden=rnn_hidden,
+            relation_dim=relation_dim,
+            head_hidden=head_hidden,
+            num_regions=num_regions,
+        )
+        check_positive_number(mlp_ratio=mlp_ratio)
+        check_rates(drop_rate=drop_rate)
         self.num_classes = num_classes
         self.inputs = inputs
         self.relations = relations
@@ -341,7 +354,7 @@ def _default_regions(
             "give both region_a and region_b, or neither (to cut the token grids by region_grid)"
         )
     if region_a is None:
-        rg = to_2tuple(region_grid)
+        rg = to_2tuple(region_grid, name="region_grid")
         k = rg[0] * rg[1]
         if num_regions is not None and num_regions != k:
             raise ValueError(f"num_regions={num_regions} does not match region_grid {rg} ({k} regions)")

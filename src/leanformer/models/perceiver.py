@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.layers.block import Block
-from leanformer.layers.checks import check_patch_grid
+from leanformer.layers.checks import check_patch_grid, check_positive, check_positive_number, check_rates
 from leanformer.layers.classifier import classifier
 from leanformer.layers.cross_attention import CrossAttentionBlock
 from leanformer.layers.init import init_vit_weights
@@ -89,15 +89,20 @@ class VisualPerceiver(nn.Module):
         if pos_embed_init not in ("trunc_normal", "sincos"):
             raise ValueError(f"pos_embed_init must be 'trunc_normal' or 'sincos', got {pos_embed_init!r}")
         self.pos_embed_init = pos_embed_init
-        if dqs_max_padding < 0:
-            raise ValueError(f"dqs_max_padding must be >= 0, got {dqs_max_padding}")
+        check_positive_number(zero_ok=True, dqs_max_padding=dqs_max_padding)
         # DQS attention buckets: inputs whose kept counts are within this fraction of each
         # other share one padded, masked attention call per block; 0 = one per count.
         self.dqs_max_padding = dqs_max_padding
-        if num_queries < 1:
-            raise ValueError(f"num_queries must be >= 1, got {num_queries}")
-        if depth < 0:
-            raise ValueError(f"depth must be >= 0, got {depth}")
+        # Heads are checked here too (the attention layers check them again) so that the
+        # error names the option given, not the layers' num_heads.
+        check_positive(num_queries=num_queries, cross_heads=cross_heads, decoder_heads=decoder_heads)
+        check_positive(minimum=0, depth=depth)
+        check_positive_number(
+            mlp_ratio=mlp_ratio, cross_mlp_ratio=cross_mlp_ratio, decoder_mlp_ratio=decoder_mlp_ratio
+        )
+        check_rates(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate)
+        if init_values is not None:
+            check_positive_number(zero_ok=True, init_values=init_values)  # 0 or None: no LayerScale
         self.img_size = to_2tuple(img_size)
         self.patch_size = patch_size
         check_patch_grid(self.img_size, patch_size)

@@ -18,7 +18,7 @@ from functools import partial
 from timm.layers import DropPath, Mlp
 from torch import Tensor, nn
 
-from leanformer.layers.checks import check_patch_grid
+from leanformer.layers.checks import check_patch_grid, check_positive, check_rates
 from leanformer.layers.classifier import classifier
 from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import PatchEmbed, to_2tuple
@@ -43,6 +43,7 @@ class RecursiveMixerBlock(nn.Module):
         norm_layer: type[nn.Module] | partial[nn.Module] = LAYER_NORM,
     ) -> None:
         super().__init__()
+        check_positive(token_mlp_dim=token_mlp_dim, channel_mlp_dim=channel_mlp_dim)
         self.norm1 = norm_layer(dim)
         self.token_mlp = Mlp(num_tokens, token_mlp_dim, act_layer=nn.GELU, drop=drop)
         self.res1 = LearnableResidual(mode=lrc)
@@ -85,8 +86,8 @@ class RecursiveMixer(nn.Module):
         check_lrc_mode(lrc)
         self.img_size = to_2tuple(img_size)
         check_patch_grid(self.img_size, patch_size)
-        if unique < 1 or loops < 1:
-            raise ValueError(f"unique and loops must be >= 1, got {unique} and {loops}")
+        check_positive(unique=unique, loops=loops)
+        check_rates(drop_rate=drop_rate, drop_path_rate=drop_path_rate)
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.num_features = self.embed_dim = embed_dim

@@ -105,8 +105,19 @@ def _check_options(name: str, cls: type[nn.Module], options: dict[str, Any]) -> 
             raise ValueError(f"model {name!r} has no option {key!r}{hint}")
     # A yes/no option given a word ("maybe") would otherwise count as True.
     for key, value in options.items():
-        if isinstance(params[key].default, bool) and not isinstance(value, bool):
+        param = params[key]
+        if isinstance(param.default, bool) and not isinstance(value, bool):
             raise ValueError(f"model {name!r}: option {key} must be true or false, got {value!r}")
+        if _is_optional_bool(param) and not isinstance(value, bool | None):
+            raise ValueError(f"model {name!r}: option {key} must be true, false or null, got {value!r}")
+
+
+def _is_optional_bool(param: inspect.Parameter) -> bool:
+    """A ``bool | None`` option (None: derived from another option), e.g. DRRT's map_recurrence."""
+    annotation = param.annotation
+    if isinstance(annotation, str):  # postponed annotations (`from __future__ import annotations`)
+        return annotation.replace(" ", "") in ("bool|None", "None|bool", "Optional[bool]")
+    return annotation == bool | None
 
 
 def model_info(name: str) -> ModelEntry:

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leanformer.layers.checks import check_positive, head_dim
+from leanformer.layers.checks import check_positive, check_positive_number, check_rates, check_sizes, head_dim
 from leanformer.layers.classifier import classifier
 from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import to_2tuple
@@ -118,12 +118,14 @@ class SReT(nn.Module):
             permutation,
             lrc,
         )
+        check_positive_number(mlp_ratio=mlp_ratio)  # nll_ratio: RecursiveStage checks it
+        check_rates(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate)
         self.img_size = to_2tuple(img_size)
         self.in_chans = in_chans
         self.num_classes = num_classes
         self.embed_dims = tuple(embed_dims)
         self.num_features = self.embed_dims[-1]
-        self.groups = tuple(tuple(int(g) for g in gs) for gs in groups)
+        self.groups = tuple(tuple(int(g) for g in gs) for gs in groups)  # integers: _validate checked
         self.permutation = permutation
 
         self.stem = ConvStem(in_chans=in_chans, widths=[*stem_chs, embed_dims[0]], strides=stem_strides)
@@ -191,6 +193,15 @@ class SReT(nn.Module):
         for name, value in per_stage.items():
             if not isinstance(value, list | tuple):
                 raise ValueError(f"{name} must be a list with one entry per stage, got {value!r}")
+        # Integer sizes first: the checks below compare and count them. Floats are refused,
+        # not truncated (groups 8.5 would silently run as 8).
+        for name, value in {"embed_dims": embed_dims, "num_heads": num_heads, "unique": unique}.items():
+            check_sizes(name, value)
+        check_sizes("stem_chs", stem_chs)
+        check_sizes("stem_strides", stem_strides)
+        check_positive(loops=loops)
+        for s, gs in enumerate(groups):
+            check_sizes(f"groups[{s}]", gs)
         n = len(embed_dims)
         if n < 1 or not (len(num_heads) == len(unique) == len(groups) == n):
             raise ValueError(
@@ -203,18 +214,10 @@ class SReT(nn.Module):
                 f"expected {len(stem_strides) - 1} widths for {len(stem_strides)} strides, "
                 f"got {len(stem_chs)}"
             )
-        if any(s < 1 for s in stem_strides):
-            raise ValueError(f"stem strides must be >= 1, got {tuple(stem_strides)}")
-        if loops < 1:
-            raise ValueError(f"loops must be >= 1, got {loops}")
         for s in range(n):
             head_dim(embed_dims[s], num_heads[s], dim_name=f"stage {s} dim")
-            if unique[s] < 1:
-                raise ValueError(f"stage {s}: unique must be >= 1, got {unique[s]}")
             if len(groups[s]) != loops:
                 raise ValueError(f"stage {s}: groups {tuple(groups[s])} needs one entry per loop ({loops})")
-            if any(int(g) < 1 for g in groups[s]):
-                raise ValueError(f"stage {s}: groups must be >= 1, got {tuple(groups[s])}")
             if s + 1 < n and embed_dims[s + 1] % embed_dims[s]:
                 raise ValueError(
                     f"the grouped pooling conv needs embed_dims[{s + 1}] ({embed_dims[s + 1]}) to be a "
