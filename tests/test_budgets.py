@@ -27,6 +27,7 @@ def test_resolve_forms() -> None:
     assert resolve_keep("3,2,1", depth=3) == [3, 2, 1]
     assert resolve_keep([4, 0.5, 0], depth=3) == [4, 0.5, 0]
     assert resolve_keep((1.0, 2), depth=2) == [1.0, 2]
+    assert resolve_keep("0.5, 3, 1.0", depth=3) == [0.5, 3, 1.0]
 
 
 def test_counts_are_maxima() -> None:
@@ -51,6 +52,9 @@ def test_counts_are_maxima() -> None:
         (5, "ambiguous"),
         ("deit_s_levl3", "did you mean deit_s_level3"),
         ("nonsense", "unknown keep preset"),
+        ("3,,1", "empty entry at position 2"),
+        ("3,1,", "empty entry at position 3"),
+        ("3,a,1", r"entry 2 \('a'\) is neither"),
         (None, "needs keep="),
         ({"a": 1}, "keep must be"),
     ],

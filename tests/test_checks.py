@@ -24,6 +24,7 @@ def test_integers_of_any_kind_are_accepted() -> None:
     assert check_sizes("dims", (np.int64(8), 2)) == (8, 2)
     check_positive_number(mlp_ratio=0.5)
     check_positive_number(zero_ok=True, nll_ratio=0)
+    check_positive_number(zero_ok=True, optional=True, init_values=None)
     assert head_dim(np.int64(24), 2) == 12
     assert to_2tuple(np.int32(32)) == (32, 32)
     assert to_2tuple((np.int64(16), torch.tensor(8))) == (16, 8)
@@ -43,6 +44,11 @@ def test_integers_of_any_kind_are_accepted() -> None:
         (lambda: check_sizes("dims", 8), "dims must be a list of integers, got 8"),
         (lambda: check_positive_number(mlp_ratio="abc"), "mlp_ratio must be a number > 0, got 'abc'"),
         (lambda: check_positive_number(mlp_ratio=0), "mlp_ratio must be a number > 0, got 0"),
+        (lambda: check_positive_number(mlp_ratio=None), "mlp_ratio must be a number > 0, got None"),
+        (
+            lambda: check_positive_number(zero_ok=True, optional=True, init_values=-1e-5),
+            "init_values must be a number >= 0, got -1e-05",
+        ),
         (
             lambda: check_positive_number(zero_ok=True, nll_ratio=float("nan")),
             "nll_ratio must be a number >= 0",

@@ -49,6 +49,14 @@ def test_bench_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
             ["bench", "--model", "deit_test", "--pool", "powerbert", "--keep", "4,2,"],
             "empty entry at position 3",
         ),
+        (
+            ["bench", "--model", "deit_test", "--pool", "powerbert", "--keep", "4,x"],
+            "entry 2 ('x') is neither a token count nor a ratio",
+        ),
+        (
+            ["bench", "--model", "deit_test", "--pool", "powerbert", "--keep", "0.5,1.5,1"],
+            "keep[1] (block 1): a keep ratio must be in (0, 1], got 1.5",
+        ),
         # --img-size used to be reported but unused beside --feature-size.
         (
             ["bench", "--model", "detr_encoder_test", "--feature-size", "6x7", "--img-size", "64"],

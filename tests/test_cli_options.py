@@ -80,6 +80,13 @@ def test_eval_checkpoint_applies_dotted_model_options(
     (dotted,) = _rows(capsys)
     assert flags["loss"] != plain["loss"]  # pooling down to 1-2 tokens changes the outputs
     assert dotted["loss"] == flags["loss"] and dotted["top1"] == flags["top1"]
+    # A list of ratios (or of counts and ratios) on the command line, as in a config.
+    assert main([*base, "--pool", "powerbert", "--keep", "0.5,0.5,2"]) == 0
+    (ratios,) = _rows(capsys)
+    assert main([*base, "--model_options.pool", "powerbert", "--model_options.keep", "[0.5, 0.5, 2]"]) == 0
+    (ratios_dotted,) = _rows(capsys)
+    assert ratios["loss"] != plain["loss"]
+    assert ratios["loss"] == ratios_dotted["loss"] and ratios["top1"] == ratios_dotted["top1"]
     # A nested key sets the top-level option it lives in.
     nested = [*base, "--pool", "kmedoids", "--keep", "2,1,1"]
     assert main([*nested, "--opt", "pool_options={max_iters: 0}"]) == 0
@@ -326,6 +333,25 @@ def test_resume_refuses_a_new_learning_rate(tmp_path: Path, capsys: Capture) -> 
     assert main([*TRAIN, "--out", str(run), "--quiet"]) == 0
     err = _error([*TRAIN, "--epochs", "2", "--lr", "0.01", "--out", str(run), "--resume", "--quiet"], capsys)
     assert "optim settings cannot change in a resumed run (lr 0.001 -> 0.01)" in err
+
+
+def test_resume_ignores_a_saved_option_that_had_no_effect(tmp_path: Path, capsys: Capture) -> None:
+    """Runs saved before such values were refused may hold a distillation temperature
+    without a teacher: resuming warns and continues instead of failing on it."""
+    import yaml
+
+    run = tmp_path / "run"
+    assert main([*TRAIN, "--out", str(run), "--quiet"]) == 0
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    saved["train"]["distill_tau"] = 2.0
+    (run / "config.yaml").write_text(yaml.safe_dump(saved))
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--epochs", "2", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "train.distill_tau=2.0 had no effect without --teacher; using the default 1.0" in err
+    # Typed now, the value is still refused.
+    err = _error(["train", "--out", str(run), "--resume", "--epochs", "3", "--distill-tau", "2"], capsys)
+    assert "train.distill_tau has no effect without --teacher" in err
 
 
 def test_yes_no_options_datasets_needing_a_root_and_thread_counts(tmp_path: Path, capsys: Capture) -> None:

@@ -18,6 +18,7 @@ from leanformer.ops.clustering import (
     kmedoids_plan,
     pairwise_sq_dists,
 )
+from leanformer.ops.medoid_distances import MedoidDistances
 
 # ----------------------------------------------------------------- slow references (loops)
 
@@ -82,6 +83,11 @@ def ref_weighted_means(x: torch.Tensor, a: list[int], w: list[float], k: int) ->
     return torch.stack(out)
 
 
+def _all_sq_dists(x: torch.Tensor) -> torch.Tensor:
+    """Every token-token distance: no initial medoids, so nothing is left unknown."""
+    return MedoidDistances(x, 0).matrix
+
+
 def _data(b: int = 3, n: int = 13, c: int = 5, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, n, c, generator=g, dtype=torch.float64)
@@ -106,6 +112,51 @@ def test_kmedoids_matches_reference(weighted: bool, iters: int, k: int) -> None:
         assert plan.assign[b].tolist() == a
         assert plan.medoids is not None and plan.medoids[b].tolist() == med
         torch.testing.assert_close(cluster_mean(x, plan, weights)[b], ref_weighted_means(x[b], a, wb, k))
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_kmedoids_matches_reference_for_every_k(b: int) -> None:
+    """Every K from 1 to N, including one non-medoid only (a 1 x 1 block, once refused as
+    overlapping memory for a single example)."""
+    x, w = _data(b=b, n=6, c=3, seed=7)
+    for k in range(1, 7):
+        init = init_centers(w, k, num_tokens=6, batch=b)
+        for check in (True, False):
+            plan = kmedoids_plan(x, k, weights=w, init=init, check_convergence=check)
+            assert plan.medoids is not None
+            for e in range(b):
+                a, med = ref_kmedoids(x[e], k, w[e].tolist(), init[e].tolist(), 5)
+                assert plan.assign[e].tolist() == a
+                assert plan.medoids[e].tolist() == med
+
+
+@pytest.mark.parametrize("k", [2, 18, 23])
+def test_kmedoids_matches_reference_when_many_medoids_move(k: int) -> None:
+    """Random starts move many medoids, so most medoid-to-medoid distances get computed
+    on demand, in several batches (k = 23 of 25 tokens leaves almost only those)."""
+    x, w = _data(b=4, n=25, c=3, seed=5)
+    gen = torch.Generator().manual_seed(1)
+    init = init_centers(None, k, num_tokens=25, batch=4, mode="random", generator=gen)
+    plan = kmedoids_plan(x, k, weights=w, init=init, max_iters=10)
+    moved = 0
+    for b in range(4):
+        a, med = ref_kmedoids(x[b], k, w[b].tolist(), init[b].tolist(), 10)
+        assert plan.assign[b].tolist() == a
+        assert plan.medoids is not None and plan.medoids[b].tolist() == med
+        moved += len(set(med) - set(init[b].tolist()))
+    assert moved > 0
+
+
+def test_distances_on_demand_equal_distances_up_front_in_float32() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 70, 24, generator=g)
+    w = torch.rand(6, 70, generator=g) + 0.1
+    init = torch.rand(6, 70, generator=g).topk(30, dim=1).indices
+    lazy = kmedoids_plan(x, 30, weights=w, init=init, max_iters=8, check_convergence=True)
+    eager = kmedoids_plan(x, 30, weights=w, init=init, max_iters=8, check_convergence=False)
+    assert torch.equal(lazy.assign, eager.assign)
+    assert torch.equal(lazy.medoids, eager.medoids)
+    assert not torch.equal(lazy.medoids, init)  # some medoids moved
 
 
 @pytest.mark.parametrize("weighted", [False, True])
@@ -231,18 +282,6 @@ def test_pairwise_sq_dists_matches_cdist() -> None:
     assert (pairwise_sq_dists(x) >= 0).all()
 
 
-def test_token_distances_are_exactly_symmetric_with_zero_diagonal() -> None:
-    from leanformer.ops.clustering import _symmetric_sq_dists
-
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 37, 384, generator=g) * 3 + 1
-    d = _symmetric_sq_dists(x)
-    assert torch.equal(d, d.transpose(1, 2))
-    assert torch.equal(d.diagonal(dim1=1, dim2=2), torch.zeros(4, 37))
-    ref = torch.cdist(x.double(), x.double()) ** 2
-    torch.testing.assert_close(d.double(), ref, rtol=1e-5, atol=1e-2)
-
-
 def test_two_member_tie_goes_to_the_lower_index_in_float32() -> None:
     """Unweighted 2-member cluster: both members cost d(a, b), so the lower index wins."""
     g = torch.Generator().manual_seed(2)
@@ -288,6 +327,12 @@ def test_bad_inputs_raise() -> None:
         kmedoids_plan(x, 2, weights=w[:, :3])
     with pytest.raises(ValueError, match="init must be"):
         kmedoids_plan(x, 2, init=torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="distinct"):
+        kmedoids_plan(x, 2, init=torch.tensor([[0, 1], [3, 3]]))
+    with pytest.raises(ValueError, match=r"\[0, N=6\)"):
+        kmedoids_plan(x, 2, init=torch.tensor([[0, 6], [3, 4]]))
+    with pytest.raises(ValueError, match="distinct"):
+        kmeans_plan(x, 2, init=torch.tensor([[5, 5], [3, 4]]))
     with pytest.raises(ValueError, match="unknown init mode"):
         init_centers(w, 2, num_tokens=6, batch=2, mode="kmeans++")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs scores"):
@@ -295,11 +340,11 @@ def test_bad_inputs_raise() -> None:
 
 
 def test_assignment_ties_go_to_the_first_medoid_in_medoid_order() -> None:
-    from leanformer.ops.clustering import _assign_to_medoids, _symmetric_sq_dists
+    from leanformer.ops.clustering import _assign_to_medoids
 
     # Token 0 is exactly as far from token 1 as from token 2.
     x = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [-1.0, 0.0]]])
-    d = _symmetric_sq_dists(x)
+    d = _all_sq_dists(x)
     assert torch.equal(_assign_to_medoids(d, torch.tensor([[2, 1]])), torch.tensor([[0, 1, 0]]))
     assert torch.equal(_assign_to_medoids(d, torch.tensor([[1, 2]])), torch.tensor([[0, 0, 1]]))
 
@@ -307,13 +352,13 @@ def test_assignment_ties_go_to_the_first_medoid_in_medoid_order() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_assignment_equals_argmin_over_medoid_columns(dtype: torch.dtype) -> None:
     """Against plain argmin (first minimum), with K > 256 so bfloat16 could not count the medoids."""
-    from leanformer.ops.clustering import _assign_to_medoids, _symmetric_sq_dists
+    from leanformer.ops.clustering import _assign_to_medoids
 
     g = torch.Generator().manual_seed(3)
     B, N, K = 2, 600, 300
     x = torch.randn(B, N, 4, generator=g).round().to(dtype)  # integer grid: many exact ties
     medoids = torch.rand(B, N, generator=g).topk(K, dim=1).indices
-    d = _symmetric_sq_dists(x)
+    d = _all_sq_dists(x)
     expected = d.gather(2, medoids[:, None, :].expand(B, N, K)).argmin(dim=2)
     expected.scatter_(1, medoids, torch.arange(K).expand(B, K))
     assert torch.equal(_assign_to_medoids(d, medoids), expected)

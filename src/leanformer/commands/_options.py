@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from leanformer.config import parse_scalar
+from leanformer.layers.budgets import parse_keep_list
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -33,19 +34,13 @@ def positive_int(text: str) -> int:
 
 
 def parse_keep(text: str) -> Any:
-    """A preset name (``deit_s_level3``), a ratio (``0.5``) or a list (``64,32,16`` / ``[64, 32]``)."""
+    """A preset name (``deit_s_level3``), a ratio (``0.5``) or a list (``64,32,16`` / ``0.5,0.7``)."""
     value = parse_scalar(text)
     if isinstance(value, str) and "," in value:
-        entries = [v.strip() for v in value.split(",")]
-        # An empty entry ("12,,8") is a typo, not a shorter schedule: dropping it would shift
-        # every later budget to the block before it.
-        empty = [i for i, v in enumerate(entries, start=1) if not v]
-        if empty:
-            raise argparse.ArgumentTypeError(f"--keep list {text!r}: empty entry at position {empty[0]}")
         try:
-            return [int(v) for v in entries]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--keep list must hold integers, got {text!r}") from None
+            return parse_keep_list(value)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
     return value
 
 

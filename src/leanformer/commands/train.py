@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +77,12 @@ def build_config(args: argparse.Namespace, saved_config: Path | None = None) -> 
         overrides["device"] = args.device
     overrides.update(dotted_overrides(args.extra))
     config = load_config(saved_config or args.config, overrides)
-    from leanformer.engine.train import check_dependent_options
+    from leanformer.engine.train import check_dependent_options, drop_ineffective_options
 
+    if saved_config is not None:
+        config, dropped = drop_ineffective_options(config, given=overrides)
+        for message in dropped:
+            print(f"leanformer: warning: {saved_config}: {message}", file=sys.stderr)
     # What was typed counts even at its default value (--distill-tau 1 without --teacher).
     check_dependent_options(config, given=overrides)
     return config

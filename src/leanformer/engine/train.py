@@ -13,7 +13,7 @@ import json
 import math
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,27 @@ def check_dependent_options(cfg: RunConfig, given: Collection[str] = ()) -> None
             raise ValueError(
                 f"train.{key} has no effect without {flag} (train.{needed}); give {flag} or leave it out"
             )
+
+
+def drop_ineffective_options(cfg: RunConfig, given: Collection[str] = ()) -> tuple[RunConfig, list[str]]:
+    """``cfg`` with each ``train.*`` option that :func:`check_dependent_options` would
+    refuse reset to its default, unless it was ``given`` now; and what was reset.
+
+    For a run saved before such values were refused: its ``config.yaml`` can hold one
+    (it had no effect in that run), and resuming the run should not fail on it.
+    """
+    t, defaults = cfg.train, TrainConfig()
+    reset: dict[str, Any] = {}
+    for key, (needed, _) in _DEPENDENT.items():
+        off = getattr(t, needed) in (None, False)
+        if off and f"train.{key}" not in given and getattr(t, key) != getattr(defaults, key):
+            reset[key] = getattr(defaults, key)
+    messages = [
+        f"train.{key}={getattr(t, key)!r} had no effect without {_DEPENDENT[key][1]}; using the default "
+        f"{value!r}"
+        for key, value in reset.items()
+    ]
+    return replace(cfg, train=replace(t, **reset)), messages
 
 
 def _build_teacher(cfg: RunConfig, info: Any, device: torch.device) -> nn.Module | None:

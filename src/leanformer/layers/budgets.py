@@ -102,13 +102,32 @@ def resolve_keep(keep: Any, *, depth: int) -> list[Budget]:
     return [_check_entry(v, i) for i, v in enumerate(keep)]
 
 
+def parse_keep_list(text: str) -> list[Budget]:
+    """``"196,180,0.5"`` -> one budget per entry: a ratio if it has a ``.``, else a count.
+
+    An empty entry (``"12,,8"``, ``"4,2,"``) is a typo, not a shorter schedule: dropping
+    it would shift every later budget to the block before it, so it is refused.
+    """
+    budgets: list[Budget] = []
+    for position, entry in enumerate((t.strip() for t in text.split(",")), start=1):
+        if not entry:
+            raise ValueError(f"keep list {text!r}: empty entry at position {position}")
+        try:
+            budgets.append(float(entry) if "." in entry else int(entry))
+        except ValueError:
+            raise ValueError(
+                f"keep list {text!r}: entry {position} ({entry!r}) is neither a token count nor a ratio"
+            ) from None
+    return budgets
+
+
 def _parse_string(text: str) -> Any:
     name = text.strip()
     if name in PRESETS:
         return list(PRESETS[name])
+    if "," in name:
+        return parse_keep_list(name)
     try:
-        if "," in name:
-            return [float(t) if "." in t else int(t) for t in (p.strip() for p in name.split(",")) if t]
         return float(name) if "." in name else int(name)
     except ValueError:
         close = difflib.get_close_matches(name, PRESETS, n=3, cutoff=0.5)

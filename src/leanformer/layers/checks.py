@@ -40,10 +40,13 @@ def check_sizes(name: str, values: object, *, minimum: int = 1) -> tuple[int, ..
     return tuple(operator.index(v) for v in values)  # type: ignore[arg-type]
 
 
-def check_positive_number(*, zero_ok: bool = False, **values: object) -> None:
+def check_positive_number(*, zero_ok: bool = False, optional: bool = False, **values: object) -> None:
     """Every named value must be a finite number > 0, or >= 0 with ``zero_ok`` (where 0 switches
-    something off, e.g. ``nll_ratio``): width ratios, scales, fractions."""
+    something off, e.g. ``nll_ratio``): width ratios, scales, fractions. ``optional``: None
+    passes too (e.g. LayerScale's ``init_values``, None for none)."""
     for name, value in values.items():
+        if optional and value is None:
+            continue
         number = value if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
         if not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok):
             raise ValueError(f"{name} must be a number {'>= 0' if zero_ok else '> 0'}, got {value!r}")

@@ -55,8 +55,8 @@ class DeiT(nn.Module):
         check_positive(patch_size=patch_size)  # in_chans and embed_dim: PatchEmbed checks them
         check_rates(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate)
         check_positive_number(mlp_ratio=mlp_ratio)
-        if init_values is not None:
-            check_positive_number(zero_ok=True, init_values=init_values)  # 0 or None: no LayerScale
+        # LayerScale's init_values: 0 or None for none.
+        check_positive_number(zero_ok=True, optional=True, init_values=init_values)
         if pool_options is not None and not isinstance(pool_options, dict):
             raise ValueError(f"pool_options must be a mapping of option names, got {pool_options!r}")
         check_positive(minimum=0, depth=depth)

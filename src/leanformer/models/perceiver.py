@@ -101,8 +101,8 @@ class VisualPerceiver(nn.Module):
             mlp_ratio=mlp_ratio, cross_mlp_ratio=cross_mlp_ratio, decoder_mlp_ratio=decoder_mlp_ratio
         )
         check_rates(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate)
-        if init_values is not None:
-            check_positive_number(zero_ok=True, init_values=init_values)  # 0 or None: no LayerScale
+        # LayerScale's init_values: 0 or None for none.
+        check_positive_number(zero_ok=True, optional=True, init_values=init_values)
         self.img_size = to_2tuple(img_size)
         self.patch_size = patch_size
         check_patch_grid(self.img_size, patch_size)

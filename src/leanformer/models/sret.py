@@ -107,7 +107,7 @@ class SReT(nn.Module):
         drop_path_rate: float = 0.0,
     ) -> None:
         super().__init__()
-        self._validate(
+        groups = self._validate(
             stem_chs,
             stem_strides,
             embed_dims,
@@ -125,7 +125,7 @@ class SReT(nn.Module):
         self.num_classes = num_classes
         self.embed_dims = tuple(embed_dims)
         self.num_features = self.embed_dims[-1]
-        self.groups = tuple(tuple(int(g) for g in gs) for gs in groups)  # integers: _validate checked
+        self.groups = groups
         self.permutation = permutation
 
         self.stem = ConvStem(in_chans=in_chans, widths=[*stem_chs, embed_dims[0]], strides=stem_strides)
@@ -188,7 +188,8 @@ class SReT(nn.Module):
         groups: Sequence[Sequence[int]],
         permutation: str,
         lrc: str,
-    ) -> None:
+    ) -> tuple[tuple[int, ...], ...]:
+        """Check every option; return ``groups`` as integers."""
         per_stage = {"embed_dims": embed_dims, "num_heads": num_heads, "unique": unique, "groups": groups}
         for name, value in per_stage.items():
             if not isinstance(value, list | tuple):
@@ -200,8 +201,7 @@ class SReT(nn.Module):
         check_sizes("stem_chs", stem_chs)
         check_sizes("stem_strides", stem_strides)
         check_positive(loops=loops)
-        for s, gs in enumerate(groups):
-            check_sizes(f"groups[{s}]", gs)
+        checked_groups = tuple(check_sizes(f"groups[{s}]", gs) for s, gs in enumerate(groups))
         n = len(embed_dims)
         if n < 1 or not (len(num_heads) == len(unique) == len(groups) == n):
             raise ValueError(
@@ -216,8 +216,8 @@ class SReT(nn.Module):
             )
         for s in range(n):
             head_dim(embed_dims[s], num_heads[s], dim_name=f"stage {s} dim")
-            if len(groups[s]) != loops:
-                raise ValueError(f"stage {s}: groups {tuple(groups[s])} needs one entry per loop ({loops})")
+            if len(checked_groups[s]) != loops:
+                raise ValueError(f"stage {s}: groups {checked_groups[s]} needs one entry per loop ({loops})")
             if s + 1 < n and embed_dims[s + 1] % embed_dims[s]:
                 raise ValueError(
                     f"the grouped pooling conv needs embed_dims[{s + 1}] ({embed_dims[s + 1]}) to be a "
@@ -226,6 +226,7 @@ class SReT(nn.Module):
         if permutation not in PERMUTATIONS:
             raise ValueError(f"permutation must be one of {', '.join(PERMUTATIONS)}; got {permutation!r}")
         check_lrc_mode(lrc)
+        return checked_groups
 
     def _init_weights(self) -> None:
         init_vit_weights(self, self.pos_embed)

@@ -23,6 +23,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from leanformer.ops.medoid_distances import MedoidDistances, medoids_first_order
 from leanformer.ops.segment_sum import flat_rows, segment_sum
 
 InitMode = Literal["topk", "random"]
@@ -99,52 +100,58 @@ def _check(x: Tensor, k: int, weights: Tensor | None) -> None:
 
 
 def _default_init(
-    init: Tensor | None, weights: Tensor | None, k: int, batch: int, device: torch.device
+    init: Tensor | None, weights: Tensor | None, k: int, num_tokens: int, batch: int, device: torch.device
 ) -> Tensor:
-    """Given ``init [B, K]`` or, by default, the top-K by weight (the first K when unweighted)."""
+    """Given ``init [B, K]`` or, by default, the top-K by weight (the first K when unweighted).
+
+    A given ``init`` must hold K distinct token indices per example. That is checked on
+    CPU only: elsewhere reading the verdict back would be a device sync on every call.
+    """
     if init is not None:
         if init.shape != (batch, k):
             raise ValueError(f"init must be [B, K] = {(batch, k)}, got {tuple(init.shape)}")
+        if init.device.type == "cpu" and k > 0:
+            if int(init.min()) < 0 or int(init.max()) >= num_tokens:
+                raise ValueError(f"init must hold token indices in [0, N={num_tokens})")
+            if bool((init.sort(dim=1).values.diff(dim=1) == 0).any()):
+                raise ValueError("init must hold K distinct token indices per example")
         return init
     if weights is not None:
         return weights.topk(k, dim=1).indices
     return torch.arange(k, device=device).expand(batch, k)
 
 
-def _first_argmin(values: Tensor, assign: Tensor, k: int) -> Tensor:
-    """Per cluster, the lowest token index with the smallest ``values`` among its members.
+def _first_argmin(values: Tensor, assign: Tensor, k: int, index: Tensor) -> Tensor:
+    """Per cluster, the member with the smallest ``values``; ties go to the lowest ``index``.
 
-    ``values, assign [B, N]`` -> ``[B, K]``. Two segment-min reductions instead of a
+    ``values, assign, index [B, N]`` -> ``[B, K]`` values of ``index`` (every token's
+    own index, which need not be its position). Two segment-min reductions instead of a
     ``[B, K, N]`` masked matrix. Every cluster must be non-empty.
     """
     B, N = values.shape
     inf = torch.full((B, k), float("inf"), dtype=values.dtype, device=values.device)
     best = inf.scatter_reduce(1, assign, values, reduce="amin", include_self=True)
-    idx = torch.arange(N, device=values.device).expand(B, N)
-    candidate = torch.where(values == best.gather(1, assign), idx, N)
-    init = torch.full((B, k), N, dtype=idx.dtype, device=values.device)
+    candidate = torch.where(values == best.gather(1, assign), index, N)
+    init = torch.full((B, k), N, dtype=index.dtype, device=values.device)
     return init.scatter_reduce(1, assign, candidate, reduce="amin", include_self=True)
 
 
-def _symmetric_sq_dists(x: Tensor) -> Tensor:
-    """``x [B, N, C]`` -> ``||x_i - x_j||^2`` as ``[B, N, N]``, bitwise symmetric, zero diagonal.
+def _nearest_medoid(rows: Tensor) -> Tensor:
+    """``rows [B, K, M]`` (distances from K medoids to M tokens) -> ``[B, M]`` in ``[0, K)``.
 
-    From the Gram matrix ``G = x x^T`` alone: ``T = G_jj - G_ij``, then ``T + T^T``.
-    Floating-point addition commutes, so entry (i, j) equals entry (j, i) exactly. Exact
-    symmetry makes ties exact (e.g. the two members of a 2-token cluster have equal
-    cost), so they go to the lower index as in the reference.
-    Reading ``|x_j|^2`` from the product's diagonal instead of a separate pass over ``x``
-    saved 1 ms of a 21 ms layer (B=32, N=196, C=384). Not clamped at 0: only comparisons
-    and sums are taken. A plain ``bmm`` then in-place updates is faster on CPU than one
-    ``baddbmm`` with a broadcast term (which first materialises that term in the output).
+    The nearest medoid of every token, the first in medoid order on ties. Reduces over
+    the medoid axis, which is not the innermost one, so the minimum is vectorised across
+    tokens. ``argmin`` over that axis measured 2x slower than this ``amin`` + "first
+    index reaching it" pass, and 1.5x slower over a column gather.
     """
-    t = torch.bmm(x, x.transpose(1, 2))
-    sq = t.diagonal(dim1=1, dim2=2).clone()  # |x_j|^2, copied before t is overwritten
-    t.neg_().add_(sq[:, None, :])
-    d = t + t.transpose(1, 2)
-    # Exact 0 even when |x_j|^2 overflows (inf - inf = NaN), e.g. large float16 tokens.
-    d.diagonal(dim1=1, dim2=2).zero_()
-    return d
+    k = rows.shape[1]
+    best = rows.amin(dim=1, keepdim=True)
+    # 0 where a medoid reaches the minimum, 1 elsewhere; times k plus the medoid's position
+    # makes the smallest key the first minimal medoid. float32 at least: integers stay exact.
+    key_dtype = torch.promote_types(rows.dtype, torch.float32)
+    order = torch.arange(k, dtype=key_dtype, device=rows.device)[None, :, None]
+    key = (rows - best).sign_().to(key_dtype).mul_(k).add_(order)
+    return key.amin(dim=1).long()
 
 
 def _assign_to_medoids(dists: Tensor, medoids: Tensor) -> Tensor:
@@ -152,23 +159,13 @@ def _assign_to_medoids(dists: Tensor, medoids: Tensor) -> Tensor:
 
     Nearest medoid (first in medoid order on ties). A medoid always belongs to its own
     cluster, even when another medoid is an exact duplicate of it: clusters then stay
-    non-empty and every medoid is a member of its cluster.
-
-    Reads the medoids' *rows* (contiguous copies; equal to their columns by symmetry)
-    and reduces over the medoid axis, which is not the innermost one, so the minimum is
-    vectorised across tokens. ``argmin`` over that axis measured 2x slower than this
-    ``amin`` + "first index reaching it" pass, and 1.5x slower over a column gather.
+    non-empty and every medoid is a member of its cluster. Reads the medoids' *rows*
+    (contiguous copies; equal to their columns by symmetry).
     """
     B, N, _ = dists.shape
     k = medoids.shape[1]
     rows = dists.view(B * N, N).index_select(0, flat_rows(medoids, N)).view(B, k, N)
-    best = rows.amin(dim=1, keepdim=True)
-    # 0 where a medoid reaches the minimum, 1 elsewhere; times k plus the medoid's position
-    # makes the smallest key the first minimal medoid. float32 at least: integers stay exact.
-    key_dtype = torch.promote_types(rows.dtype, torch.float32)
-    order = torch.arange(k, dtype=key_dtype, device=dists.device)[None, :, None]
-    key = (rows - best).sign_().to(key_dtype).mul_(k).add_(order)
-    assign = key.amin(dim=1).long()
+    assign = _nearest_medoid(rows)
     return assign.scatter(1, medoids, torch.arange(k, device=medoids.device).expand(B, k))
 
 
@@ -187,34 +184,59 @@ def kmedoids_plan(
     ``init [B, K]``: initial medoid indices (see :func:`init_centers`; by default the
     top-K by ``weights``, or the first K tokens when unweighted). One iteration = medoid
     update (eqs. 12/17) then reassignment (eqs. 10/16), both read from one token-token
-    matrix computed once (no per-iteration distances). The weighted objective (eq. 13)
+    matrix (no per-iteration distances); its entries between two initial medoids are
+    computed only once one of them is demoted (:mod:`leanformer.ops.medoid_distances`).
+    The weighted objective (eq. 13)
     is minimised: the new medoid of a cluster is the member with the smallest *weighted*
     sum of squared distances to the members (eq. 17 prints the unweighted sum, which
     would not decrease eq. 13). Ties go to the lowest token index.
 
-    ``check_convergence``: stop once the medoids no longer change. The result is the
-    same either way (a converged state is a fixed point); checking costs a
-    device-to-host sync on accelerators, so the layers only do it on CPU.
+    ``check_convergence``: stop once the medoids (or the clusters) no longer change, and
+    compute the medoid-to-medoid distances on demand. The result is the same either way
+    (a converged state is a fixed point); both cost device-to-host syncs on
+    accelerators, so the layers only do this on CPU.
     """
     _check(x, k, weights)
     B, N, _ = x.shape
     x = x.detach()
     w = torch.ones(B, N, dtype=x.dtype, device=x.device) if weights is None else weights.detach().to(x.dtype)
-    medoids = _default_init(init, weights, k, B, x.device)
-    dists = _symmetric_sq_dists(x)
-    assign = _assign_to_medoids(dists, medoids)
+    init = _default_init(init, weights, k, N, B, x.device)
+    # Work in medoids-first order (see ops/medoid_distances.py): the distances between
+    # initial medoids are computed only for those that get demoted.
+    order = medoids_first_order(init, N)
+    position = torch.empty_like(order).scatter_(1, order, torch.arange(N, device=x.device).expand(B, N))
+    xs = x.reshape(B * N, -1).index_select(0, flat_rows(order, N)).view(x.shape)
+    w = w.gather(1, order)
+    # Revealing rows on demand reads a count back to the host, as the convergence test does.
+    dists = MedoidDistances(xs, k, reveal_all=not check_convergence)
+    medoids = torch.arange(k, device=x.device).expand(B, k)  # positions in that order
+    # The initial medoids own positions 0..K-1; the others go to the nearest of them.
+    assign = torch.cat([medoids, _nearest_medoid(dists.matrix[:, :k, k:])], dim=1)
     for _ in range(max_iters):
         # The weighted sum of the rows of a cluster's members is every token's weighted
         # distance to that cluster: within[b, j, i] = sum_{i' in j} w_i' d(i', i), the
-        # eq. 17 cost of i as the medoid of j.
-        within = segment_sum(dists, assign, k, w)
+        # eq. 17 cost of i as the medoid of j. Entries of other clusters are not read
+        # (they may be +inf: see MedoidDistances).
+        within = segment_sum(dists.matrix, assign, k, w)
         cost = within.gather(1, assign[:, None, :]).squeeze(1)  # [B, N], for the token's own cluster
-        new_medoids = _first_argmin(cost, assign, k)
+        new_medoids = position.gather(1, _first_argmin(cost, assign, k, index=order))
         if check_convergence and torch.equal(new_medoids, medoids):
             break
+        # A demoted medoid gets assigned and may share a cluster with an initial medoid.
+        demoted = torch.zeros_like(dists.known).scatter_(1, medoids, new_medoids != medoids)
+        if check_convergence:
+            dists.reveal(demoted)
         medoids = new_medoids
-        assign = _assign_to_medoids(dists, medoids)
-    return ClusterPlan(assign=assign, medoids=medoids, centers=None)
+        previous, assign = assign, _assign_to_medoids(dists.matrix, medoids)
+        # The same clusters as before this update: the next update would return these
+        # medoids again, so this is the fixed point (it saves that update).
+        if check_convergence and torch.equal(assign, previous):
+            break
+    return ClusterPlan(
+        assign=torch.empty_like(assign).scatter_(1, order, assign),
+        medoids=order.gather(1, medoids),
+        centers=None,
+    )
 
 
 def weighted_segment_mean(x: Tensor, w: Tensor, assign: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -251,7 +273,7 @@ def kmeans_plan(
     B, N, C = x.shape
     x = x.detach()
     w = torch.ones(B, N, dtype=x.dtype, device=x.device) if weights is None else weights.detach().to(x.dtype)
-    init = _default_init(init, weights, k, B, x.device)
+    init = _default_init(init, weights, k, N, B, x.device)
     centers = x.reshape(B * N, C).index_select(0, flat_rows(init, N)).view(B, k, C)
     # Seeds own their cluster (as for K-Medoids), so no cluster starts empty.
     assign = (
