@@ -222,10 +222,9 @@ def kmedoids_plan(
         new_medoids = position.gather(1, _first_argmin(cost, assign, k, index=order))
         if check_convergence and torch.equal(new_medoids, medoids):
             break
-        # A demoted medoid gets assigned and may share a cluster with an initial medoid.
-        demoted = torch.zeros_like(dists.known).scatter_(1, medoids, new_medoids != medoids)
         if check_convergence:
-            dists.reveal(demoted)
+            # A demoted medoid gets assigned and may share a cluster with an initial medoid.
+            dists.reveal(torch.zeros_like(dists.known).scatter_(1, medoids, new_medoids != medoids))
         medoids = new_medoids
         previous, assign = assign, _assign_to_medoids(dists.matrix, medoids)
         # The same clusters as before this update: the next update would return these
