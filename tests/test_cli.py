@@ -172,3 +172,34 @@ def test_unexpected_errors_are_one_line_unless_asked(
     monkeypatch.setenv("LEANFORMER_TRACEBACK", "1")
     with pytest.raises(ZeroDivisionError):
         main(["models"])
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`leanformer models --json | head -1`: exit as if killed by SIGPIPE, no traceback."""
+    import io
+    import sys
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["models", "--json"]) == 141
+    assert main(["models"]) == 141  # a table printed by the command itself
+    assert capsys.readouterr().err == ""
+
+
+def test_python_dash_m_runs_the_command_line() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "leanformer", "models", "deit_test", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[0])["model"] == "deit_test"

@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("leanformer: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
     except (FileExistsError, NotADirectoryError) as exc:
         # Usually mkdir meeting a file where a folder (--out, or one of its parents) must be.
         blocker = _file_in_the_way(exc.filename)
@@ -168,9 +170,24 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     if args.json:
-        for row in results or []:
-            print(json.dumps(_jsonable(row)))
+        try:
+            for row in results or []:
+                print(json.dumps(_jsonable(row)), flush=True)
+        except BrokenPipeError:
+            return _reader_gone()
     return 0
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed early (``leanformer ... | head``): stop quietly, as a
+    program killed by SIGPIPE would (exit 141), instead of a traceback."""
+    try:
+        # Python flushes stdout again at exit; point it at /dev/null so that cannot fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):
+        pass  # stdout is not a real file (e.g. captured): nothing will flush to the pipe
+    return 141
 
 
 def _common_argv(args: argparse.Namespace) -> list[str]:
