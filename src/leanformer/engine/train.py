@@ -84,15 +84,23 @@ _DEPENDENT = {
 }
 
 
+def _ignored_options(train: TrainConfig) -> list[tuple[str, str, str, bool]]:
+    """The dependent options whose option is off: ``(key, needed, flag, set)`` with ``set``
+    true when the value differs from the default."""
+    defaults = TrainConfig()
+    return [
+        (key, needed, flag, getattr(train, key) != getattr(defaults, key))
+        for key, (needed, flag) in _DEPENDENT.items()
+        if getattr(train, needed) in (None, False)
+    ]
+
+
 def check_dependent_options(cfg: RunConfig, given: Collection[str] = ()) -> None:
     """Refuse a ``train.*`` option that would be accepted and ignored because the option it
     modifies is off: a value other than the default, or one ``given`` explicitly (dotted
     keys such as ``"train.distill_tau"``; a typed default is as ignored as any other value)."""
-    t, defaults = cfg.train, TrainConfig()
-    for key, (needed, flag) in _DEPENDENT.items():
-        if getattr(t, needed) not in (None, False):
-            continue
-        if getattr(t, key) != getattr(defaults, key) or f"train.{key}" in given:
+    for key, needed, flag, is_set in _ignored_options(cfg.train):
+        if is_set or f"train.{key}" in given:
             raise ValueError(
                 f"train.{key} has no effect without {flag} (train.{needed}); give {flag} or leave it out"
             )
@@ -106,16 +114,15 @@ def drop_ineffective_options(cfg: RunConfig, given: Collection[str] = ()) -> tup
     (it had no effect in that run), and resuming the run should not fail on it.
     """
     t, defaults = cfg.train, TrainConfig()
-    reset: dict[str, Any] = {}
-    for key, (needed, _) in _DEPENDENT.items():
-        off = getattr(t, needed) in (None, False)
-        if off and f"train.{key}" not in given and getattr(t, key) != getattr(defaults, key):
-            reset[key] = getattr(defaults, key)
-    messages = [
-        f"train.{key}={getattr(t, key)!r} had no effect without {_DEPENDENT[key][1]}; using the default "
-        f"{value!r}"
-        for key, value in reset.items()
+    dropped = [
+        (key, flag) for key, _, flag, is_set in _ignored_options(t) if is_set and f"train.{key}" not in given
     ]
+    messages = [
+        f"train.{key}={getattr(t, key)!r} had no effect without {flag}; using the default "
+        f"{getattr(defaults, key)!r}"
+        for key, flag in dropped
+    ]
+    reset = {key: getattr(defaults, key) for key, _ in dropped}
     return replace(cfg, train=replace(t, **reset)), messages
 
 

@@ -186,10 +186,10 @@ def kmedoids_plan(
     update (eqs. 12/17) then reassignment (eqs. 10/16), both read from one token-token
     matrix (no per-iteration distances); its entries between two initial medoids are
     computed only once one of them is demoted (:mod:`leanformer.ops.medoid_distances`).
-    The weighted objective (eq. 13)
-    is minimised: the new medoid of a cluster is the member with the smallest *weighted*
-    sum of squared distances to the members (eq. 17 prints the unweighted sum, which
-    would not decrease eq. 13). Ties go to the lowest token index.
+    The weighted objective (eq. 13) is minimised: the new medoid of a cluster is the
+    member with the smallest *weighted* sum of squared distances to the members (eq. 17
+    prints the unweighted sum, which would not decrease eq. 13). Ties go to the lowest
+    token index.
 
     ``check_convergence``: stop once the medoids (or the clusters) no longer change, and
     compute the medoid-to-medoid distances on demand. The result is the same either way
