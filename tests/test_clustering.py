@@ -195,6 +195,26 @@ def test_batched_equals_per_sample() -> None:
             )
 
 
+@pytest.mark.parametrize("iters", [1, 2, 3, 8])
+def test_examples_that_settle_early_drop_out_without_changing_the_others(iters: int) -> None:
+    """With the convergence check, an example at its fixed point stops iterating while the
+    others go on (up to ``max_iters``): every example's plan is the one it gets alone."""
+    x, w = _data(b=6, n=40, c=4, seed=11)
+    gen = torch.Generator().manual_seed(2)
+    init = init_centers(None, 12, num_tokens=40, batch=6, mode="random", generator=gen)
+    # Example 0 starts at its own fixed point: it settles before any other.
+    init[0] = kmedoids_plan(x[:1], 12, weights=w[:1], init=init[:1], max_iters=50).medoids[0]
+    full = kmedoids_plan(x, 12, weights=w, init=init, max_iters=iters)
+    one_step = kmedoids_plan(x, 12, weights=w, init=init, max_iters=1)
+    settled = kmedoids_plan(x, 12, weights=w, init=init, max_iters=50)
+    assert torch.equal(one_step.medoids[0], init[0])
+    assert not torch.equal(one_step.medoids[1:], settled.medoids[1:])  # the others still move
+    for b in range(6):
+        one = kmedoids_plan(x[b : b + 1], 12, weights=w[b : b + 1], init=init[b : b + 1], max_iters=iters)
+        assert torch.equal(full.assign[b], one.assign[0])
+        assert torch.equal(full.medoids[b], one.medoids[0])
+
+
 # -------------------------------------------------------------------------- invariants
 
 

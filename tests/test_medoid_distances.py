@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanformer.ops.medoid_distances import MedoidDistances, medoids_first_order
+from leanformer.ops.medoid_distances import MedoidDistances, medoids_first_order, split_point
 
 
 def _tokens(b: int = 3, n: int = 21, c: int = 48, seed: int = 0) -> torch.Tensor:
@@ -37,6 +37,33 @@ def test_only_pairs_of_initial_medoids_are_left_unknown(k: int) -> None:
     dists = MedoidDistances(x, k)
     _check_known(dists.matrix, x, _medoid_pairs(3, 21, k))
     assert torch.equal(dists.known, (torch.arange(21) >= k).expand(3, 21))
+
+
+def test_products_skip_the_mirror_of_the_one_sided_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Non-medoids [K, N) against [0, s), then [s, N) against itself: nothing else, and
+    every entry outside the medoid block is still known."""
+    x = _tokens(b=2, n=70, c=8)
+    k = 20
+    s = split_point(k, 70)
+    assert k < s < 70  # the split is in use at this size
+    shapes: list[tuple[int, int]] = []
+    real_bmm = torch.bmm
+
+    def recording_bmm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        shapes.append((a.shape[1], b.shape[2]))
+        return real_bmm(a, b, out=out)
+
+    monkeypatch.setattr(torch, "bmm", recording_bmm)
+    dists = MedoidDistances(x, k)
+    assert shapes == [(70 - k, s), (70 - s, 70 - s)]
+    _check_known(dists.matrix, x, _medoid_pairs(2, 70, k))
+
+
+def test_split_point() -> None:
+    assert split_point(98, 196) == 160  # the benchmark's layer: K + 49 rounded up to 16
+    assert split_point(10, 21) == 16
+    assert split_point(20, 21) == 21  # rounding reaches N: one product
+    assert split_point(0, 8) == 8
 
 
 def test_reveal_fills_the_rows_and_columns_asked_for() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanformer.ops.segment_sum import segment_sum
+from leanformer.ops.segment_sum import flat_rows, row_table, segment_sum
 
 
 def _ref(values: torch.Tensor, segment: torch.Tensor, s: int, weights: torch.Tensor | None) -> torch.Tensor:
@@ -46,3 +46,45 @@ def test_gradcheck_values_and_weights() -> None:
     weights = (torch.rand(2, 7, generator=g, dtype=torch.float64) + 0.1).requires_grad_()
     segment = torch.randint(0, 4, (2, 7), generator=g)
     assert torch.autograd.gradcheck(lambda v, w: segment_sum(v, segment, 4, w), (values, weights))
+
+
+def test_examples_selects_rows_in_place() -> None:
+    """``examples``: the same sums as on ``values[examples]``, in the order given."""
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(5, 9, 4, generator=g)
+    examples = torch.tensor([3, 0, 4])
+    segment = torch.randint(0, 3, (3, 9), generator=g)
+    weights = torch.rand(3, 9, generator=g)
+    out = segment_sum(values, segment, 3, weights, examples=examples)
+    torch.testing.assert_close(out, _ref(values[examples], segment, 3, weights))
+
+
+def test_row_table_reads_a_prefix_stripped_view_in_place() -> None:
+    base = torch.randn(3, 8, 4)
+    x = base[:, 1:]  # as a block hands tokens without the class token to a reducer
+    table, step = row_table(x)
+    assert step == 8 and table.data_ptr() == x.data_ptr()  # a view, not a copy
+    idx = torch.tensor([[0, 6], [3, 2], [5, 5]])
+    torch.testing.assert_close(
+        table.index_select(0, flat_rows(idx, step)).view(3, 2, 4), x.gather(1, idx[..., None].expand(3, 2, 4))
+    )
+    # Layouts whose rows are not contiguous are copied into the plain [B * N, D] table.
+    strided = base[:, :, ::2]
+    table, step = row_table(strided)
+    assert step == 8 and torch.equal(table.view(3, 8, 2), strided)
+    assert row_table(base)[1] == 8
+
+
+def test_prefix_stripped_view_sums_and_gradients() -> None:
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(2, 8, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    weights = (torch.rand(2, 7, generator=g, dtype=torch.float64) + 0.1).requires_grad_()
+    segment = torch.randint(0, 4, (2, 7), generator=g)
+    out = segment_sum(base[:, 1:], segment, 4, weights)
+    torch.testing.assert_close(out, _ref(base[:, 1:].detach(), segment, 4, weights.detach()))
+    assert torch.autograd.gradcheck(lambda v, w: segment_sum(v[:, 1:], segment, 4, w), (base, weights))
+    examples = torch.tensor([1])
+    torch.testing.assert_close(
+        segment_sum(base[:, 1:], segment[:1], 4, weights[:1], examples=examples),
+        _ref(base[1:, 1:].detach(), segment[:1], 4, weights[:1].detach()),
+    )

@@ -215,6 +215,7 @@ def test_reduce_after_mlp_option() -> None:
 def test_deit_small_gflops_match_the_paper(monkeypatch: pytest.MonkeyPatch) -> None:
     from leanformer.bench.flops import count_gflops
     from leanformer.layers import token_pooling
+    from leanformer.ops.medoid_distances import split_point
 
     x = torch.randn(1, 3, 224, 224)
 
@@ -228,8 +229,9 @@ def test_deit_small_gflops_match_the_paper(monkeypatch: pytest.MonkeyPatch) -> N
     assert gflops(pool="powerbert", keep="deit_s_level3", reduce_at="mlp") == pytest.approx(2.50, abs=0.01)
 
     # WK-Medoids: the same transformer plus the clustering's products. The paper adds
-    # 0.08 for a full N x N distance matrix per layer; ours computes (N - K) x N of it
-    # first, then the rows of demoted initial medoids (at most K x K more).
+    # 0.08 for a full N x N distance matrix per layer; ours first computes the non-medoids
+    # [K, N) against [0, s) and [s, N) against [s, N), then the rows of demoted initial
+    # medoids (at most K x K more).
     shapes: list[tuple[int, int, int]] = []
     real_plan = token_pooling.kmedoids_plan
 
@@ -239,7 +241,7 @@ def test_deit_small_gflops_match_the_paper(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(token_pooling, "kmedoids_plan", recording_plan)
     clustering = gflops(pool="wkmedoids", keep="deit_s_level3") - powerbert
-    first = sum((n - k) * n * c for n, k, c in shapes) / 1e9
+    first = sum(((n - k) * split_point(k, n) + (n - split_point(k, n)) ** 2) * c for n, k, c in shapes) / 1e9
     most = first + sum(k * k * c for _, k, c in shapes) / 1e9
     assert first > 0
     assert first - 1e-6 <= clustering <= most + 1e-6

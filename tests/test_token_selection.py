@@ -131,3 +131,11 @@ def test_bipartite_merge_matches_reference(k: int) -> None:
 def test_bipartite_merge_bad_k() -> None:
     with pytest.raises(ValueError, match="merged tokens"):
         bipartite_merge_plan(torch.randn(1, 4, 2), 0)
+
+
+def test_gather_tokens_from_a_prefix_stripped_view() -> None:
+    base = torch.randn(2, 6, 3, dtype=torch.float64, requires_grad=True)
+    idx = torch.tensor([[0, 4], [2, 1]])
+    out = gather_tokens(base[:, 1:], idx)
+    torch.testing.assert_close(out, torch.stack([base[0, [1, 5]], base[1, [3, 2]]]))
+    assert torch.autograd.gradcheck(lambda b: gather_tokens(b[:, 1:], idx), (base,))

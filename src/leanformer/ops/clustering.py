@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from leanformer.ops.medoid_distances import MedoidDistances, medoids_first_order
-from leanformer.ops.segment_sum import flat_rows, segment_sum
+from leanformer.ops.segment_sum import flat_rows, row_table, segment_sum
 
 InitMode = Literal["topk", "random"]
 
@@ -111,9 +111,12 @@ def _default_init(
         if init.shape != (batch, k):
             raise ValueError(f"init must be [B, K] = {(batch, k)}, got {tuple(init.shape)}")
         if init.device.type == "cpu" and k > 0:
-            if int(init.min()) < 0 or int(init.max()) >= num_tokens:
+            low, high = torch.aminmax(init)
+            if int(low) < 0 or int(high) >= num_tokens:
                 raise ValueError(f"init must hold token indices in [0, N={num_tokens})")
-            if bool((init.sort(dim=1).values.diff(dim=1) == 0).any()):
+            # K distinct indices mark K tokens; a repeated one marks fewer.
+            marked = torch.zeros(batch, num_tokens, dtype=torch.uint8).scatter_(1, init, 1)
+            if int(marked.sum()) != batch * k:
                 raise ValueError("init must hold K distinct token indices per example")
         return init
     if weights is not None:
@@ -154,8 +157,9 @@ def _nearest_medoid(rows: Tensor) -> Tensor:
     return key.amin(dim=1).long()
 
 
-def _assign_to_medoids(dists: Tensor, medoids: Tensor) -> Tensor:
-    """``dists [B, N, N]`` (exactly symmetric), ``medoids [B, K]`` -> ``assign [B, N]``.
+def _assign_to_medoids(dists: Tensor, medoids: Tensor, examples: Tensor | None = None) -> Tensor:
+    """``dists [B, N, N]`` (exactly symmetric), ``medoids [E, K]`` of ``examples [E]``
+    (all B when None) -> ``assign [E, N]``.
 
     Nearest medoid (first in medoid order on ties). A medoid always belongs to its own
     cluster, even when another medoid is an exact duplicate of it: clusters then stay
@@ -163,10 +167,70 @@ def _assign_to_medoids(dists: Tensor, medoids: Tensor) -> Tensor:
     (contiguous copies; equal to their columns by symmetry).
     """
     B, N, _ = dists.shape
-    k = medoids.shape[1]
-    rows = dists.view(B * N, N).index_select(0, flat_rows(medoids, N)).view(B, k, N)
+    E, k = medoids.shape
+    if examples is None:
+        examples = torch.arange(B, device=medoids.device)
+    rows = dists.view(B * N, N).index_select(0, (medoids + examples[:, None] * N).flatten()).view(E, k, N)
     assign = _nearest_medoid(rows)
-    return assign.scatter(1, medoids, torch.arange(k, device=medoids.device).expand(B, k))
+    return assign.scatter(1, medoids, torch.arange(k, device=medoids.device).expand(E, k))
+
+
+def _some(t: Tensor, examples: Tensor) -> Tensor:
+    """The rows ``examples`` of ``t`` (``t`` itself when that is all of them)."""
+    return t if examples.numel() == t.shape[0] else t.index_select(0, examples)
+
+
+def _iterate(
+    dists: MedoidDistances,
+    assign: Tensor,
+    medoids: Tensor,
+    w: Tensor,
+    order: Tensor,
+    position: Tensor,
+    *,
+    max_iters: int,
+    check_convergence: bool,
+) -> None:
+    """K-Medoids iterations in medoids-first positions; updates ``assign [B, N]`` and
+    ``medoids [B, K]`` in place.
+
+    Examples are independent. With ``check_convergence`` (CPU), an example whose medoids
+    or clusters no longer change is at its fixed point and drops out: the later
+    iterations run on the others only.
+    """
+    B, k = medoids.shape
+    active = torch.arange(B, device=assign.device)
+    for _ in range(max_iters):
+        a, m = _some(assign, active), _some(medoids, active)
+        # The weighted sum of the rows of a cluster's members is every token's weighted
+        # distance to that cluster: within[e, j, i] = sum_{i' in j} w_i' d(i', i), the
+        # eq. 17 cost of i as the medoid of j. Entries of other clusters are not read
+        # (they may be +inf: see MedoidDistances).
+        everyone = active.numel() == B
+        within = segment_sum(dists.matrix, a, k, _some(w, active), examples=None if everyone else active)
+        cost = within.gather(1, a[:, None, :]).squeeze(1)  # [E, N], for the token's own cluster
+        # Ties go to the lowest token index (not position).
+        new_m = _some(position, active).gather(1, _first_argmin(cost, a, k, index=_some(order, active)))
+        if check_convergence:
+            moved = (new_m != m).any(dim=1).nonzero().squeeze(1)
+            if moved.numel() == 0:
+                return
+            if moved.numel() < active.numel():
+                active, a, m, new_m = active[moved], a[moved], m[moved], new_m[moved]
+            # A demoted medoid gets assigned and may share a cluster with an initial medoid.
+            demoted = torch.zeros_like(dists.known)
+            demoted[active] = torch.zeros_like(a, dtype=torch.bool).scatter_(1, m, new_m != m)
+            dists.reveal(demoted)
+        new_a = _assign_to_medoids(dists.matrix, new_m, active)
+        # The same clusters as before this update: the next update would return these
+        # medoids again, so these examples are at their fixed point (it saves that update).
+        unsettled = (new_a != a).any(dim=1)
+        medoids.index_copy_(0, active, new_m)
+        assign.index_copy_(0, active, new_a)
+        if check_convergence:
+            active = active[unsettled]
+            if active.numel() == 0:
+                return
 
 
 @torch.no_grad()
@@ -194,7 +258,8 @@ def kmedoids_plan(
     ``check_convergence``: stop once the medoids (or the clusters) no longer change, and
     compute the medoid-to-medoid distances on demand. The result is the same either way
     (a converged state is a fixed point); both cost device-to-host syncs on
-    accelerators, so the layers only do this on CPU.
+    accelerators, so the layers only do this on CPU. With it, each example stops at its
+    own fixed point and the later iterations run on the others only.
     """
     _check(x, k, weights)
     B, N, _ = x.shape
@@ -205,32 +270,17 @@ def kmedoids_plan(
     # initial medoids are computed only for those that get demoted.
     order = medoids_first_order(init, N)
     position = torch.empty_like(order).scatter_(1, order, torch.arange(N, device=x.device).expand(B, N))
-    xs = x.reshape(B * N, -1).index_select(0, flat_rows(order, N)).view(x.shape)
+    table, step = row_table(x)
+    xs = table.index_select(0, flat_rows(order, step)).view(x.shape)
     w = w.gather(1, order)
     # Revealing rows on demand reads a count back to the host, as the convergence test does.
     dists = MedoidDistances(xs, k, reveal_all=not check_convergence)
-    medoids = torch.arange(k, device=x.device).expand(B, k)  # positions in that order
+    medoids = torch.arange(k, device=x.device).expand(B, k).contiguous()  # positions in that order
     # The initial medoids own positions 0..K-1; the others go to the nearest of them.
     assign = torch.cat([medoids, _nearest_medoid(dists.matrix[:, :k, k:])], dim=1)
-    for _ in range(max_iters):
-        # The weighted sum of the rows of a cluster's members is every token's weighted
-        # distance to that cluster: within[b, j, i] = sum_{i' in j} w_i' d(i', i), the
-        # eq. 17 cost of i as the medoid of j. Entries of other clusters are not read
-        # (they may be +inf: see MedoidDistances).
-        within = segment_sum(dists.matrix, assign, k, w)
-        cost = within.gather(1, assign[:, None, :]).squeeze(1)  # [B, N], for the token's own cluster
-        new_medoids = position.gather(1, _first_argmin(cost, assign, k, index=order))
-        if check_convergence and torch.equal(new_medoids, medoids):
-            break
-        if check_convergence:
-            # A demoted medoid gets assigned and may share a cluster with an initial medoid.
-            dists.reveal(torch.zeros_like(dists.known).scatter_(1, medoids, new_medoids != medoids))
-        medoids = new_medoids
-        previous, assign = assign, _assign_to_medoids(dists.matrix, medoids)
-        # The same clusters as before this update: the next update would return these
-        # medoids again, so this is the fixed point (it saves that update).
-        if check_convergence and torch.equal(assign, previous):
-            break
+    _iterate(
+        dists, assign, medoids, w, order, position, max_iters=max_iters, check_convergence=check_convergence
+    )
     return ClusterPlan(
         assign=torch.empty_like(assign).scatter_(1, order, assign),
         medoids=order.gather(1, medoids),
@@ -273,7 +323,8 @@ def kmeans_plan(
     x = x.detach()
     w = torch.ones(B, N, dtype=x.dtype, device=x.device) if weights is None else weights.detach().to(x.dtype)
     init = _default_init(init, weights, k, N, B, x.device)
-    centers = x.reshape(B * N, C).index_select(0, flat_rows(init, N)).view(B, k, C)
+    table, step = row_table(x)
+    centers = table.index_select(0, flat_rows(init, step)).view(B, k, C)
     # Seeds own their cluster (as for K-Medoids), so no cluster starts empty.
     assign = (
         pairwise_sq_dists(x, centers)

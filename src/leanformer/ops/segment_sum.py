@@ -20,7 +20,8 @@ from torch import Tensor
 
 
 def flat_rows(index: Tensor, k: int) -> Tensor:
-    """``index [B, N]`` in ``[0, K)`` -> ``[B * N]`` row indices into a ``[B * K, ...]`` buffer.
+    """``index [B, N]`` in ``[0, K)`` -> ``[B * N]`` row indices into a ``[B * K, ...]`` buffer
+    (more generally: into a table whose examples start ``k`` rows apart, see :func:`row_table`).
 
     ``index_select`` along dim 0 of a 2-D tensor copies whole rows, the fast CPU path;
     ``gather`` with an index expanded over channels is ~10x slower.
@@ -29,20 +30,54 @@ def flat_rows(index: Tensor, k: int) -> Tensor:
     return (index + offsets).flatten()
 
 
-def segment_sum(values: Tensor, segment: Tensor, num_segments: int, weights: Tensor | None = None) -> Tensor:
+def row_table(x: Tensor) -> tuple[Tensor, int]:
+    """``x [B, N, D]`` as a 2-D table of rows and the number of rows between examples:
+    row ``i`` of example ``b`` is row ``b * step + i`` of the table (see :func:`flat_rows`).
+
+    A view, not a copy, whenever each example's rows are contiguous and the examples
+    sit a whole number of rows apart: e.g. ``x[:, 1:]`` of a contiguous tensor, which is
+    how a block hands its tokens without the class token to a reducer (``reshape``
+    would copy all of them first). Other layouts are copied.
+    """
+    B, N, D = x.shape
+    if x.is_contiguous():
+        return x.view(B * N, D), N
+    batch_stride, row_stride, col_stride = x.stride()
+    if col_stride == 1 and row_stride == D and batch_stride % D == 0 and batch_stride >= N * D:
+        step = batch_stride // D
+        return x.as_strided(((B - 1) * step + N, D), (D, 1)), step
+    return x.reshape(B * N, D), N
+
+
+def segment_sum(
+    values: Tensor,
+    segment: Tensor,
+    num_segments: int,
+    weights: Tensor | None = None,
+    *,
+    examples: Tensor | None = None,
+) -> Tensor:
     """``[B, N, D]`` rows summed per segment of ``segment [B, N]`` -> ``[B, S, D]`` (see module doc).
 
     ``weights [B, N]`` scale each row (ones when None). Segment ids must lie in
     ``[0, num_segments)``; they are not checked here because the callers build them.
+    ``examples [E]``: sum over ``values[examples]`` only (``segment`` and ``weights`` are
+    then ``[E, N]``, the result ``[E, S, D]``), reading those rows in place, not copied.
     """
     B, N, D = values.shape
     flat = flat_rows(segment, num_segments)
     # Rows in segment order; a stable sort keeps each segment's rows in token order.
     order = flat.argsort(stable=True)
     # Not bincount: on CUDA it reads the index range back to the host (a sync per call).
-    counts = torch.zeros(B * num_segments, dtype=flat.dtype, device=flat.device)
+    counts = torch.zeros(segment.shape[0] * num_segments, dtype=flat.dtype, device=flat.device)
     counts.index_add_(0, flat, torch.ones_like(flat))
     offsets = counts.cumsum(0) - counts
-    per_row = None if weights is None else weights.reshape(B * N)[order].to(values.dtype)
-    out = F.embedding_bag(order, values.reshape(B * N, D), offsets, mode="sum", per_sample_weights=per_row)
-    return out.view(B, num_segments, D)
+    per_row = None if weights is None else weights.reshape(-1)[order].to(values.dtype)
+    table, step = row_table(values)
+    rows = order
+    if examples is not None or step != N:
+        # Position e * N + i of the selection is row examples[e] * step + i of the table.
+        picked = torch.arange(B, device=order.device) if examples is None else examples
+        rows = (picked[:, None] * step + torch.arange(N, device=order.device)).flatten()[order]
+    out = F.embedding_bag(rows, table, offsets, mode="sum", per_sample_weights=per_row)
+    return out.view(segment.shape[0], num_segments, D)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from leanformer.ops.segment_sum import flat_rows, row_table
+
 
 def _check_k(k: int, n: int) -> None:
     if not 0 <= k <= n:
@@ -51,6 +53,10 @@ def importance_indices(scores: Tensor, k: int, *, generator: torch.Generator | N
 
 
 def gather_tokens(x: Tensor, idx: Tensor) -> Tensor:
-    """``x [B, N, *]`` at ``idx [B, K]`` -> ``[B, K, *]`` (differentiable in ``x``)."""
-    index = idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(*idx.shape, *x.shape[2:])
-    return x.gather(1, index)
+    """``x [B, N, C]`` at ``idx [B, K]`` -> ``[B, K, C]`` (differentiable in ``x``).
+
+    Copies whole rows (``index_select``), reading a class-token-stripped view in place:
+    see :func:`leanformer.ops.segment_sum.row_table`.
+    """
+    table, step = row_table(x)
+    return table.index_select(0, flat_rows(idx, step)).view(*idx.shape, x.shape[2])
