@@ -9,9 +9,11 @@ two tokens in two places:
 Neither ever reads the distance between two *initial* medoids that have both stayed
 medoids so far: both are medoids, so neither is assigned and they sit in different
 clusters. With K = N/2 (the usual budget) those pairs are a quarter of the matrix, so
-:class:`MedoidDistances` leaves them out of the first matrix product (``[N - K, C] x
-[C, N]`` per example instead of ``[N, C] x [C, N]``). When an initial medoid is demoted,
-its row is computed then (:meth:`MedoidDistances.reveal`); on typical inputs few are.
+:class:`MedoidDistances` leaves them out of the products (the non-medoids' rows only,
+``[N - K, C] x [C, N]`` per example at most, instead of ``[N, C] x [C, N]``; see
+:func:`split_point` for the part of those rows that is each other's transpose). When an
+initial medoid is demoted, its row is computed then (:meth:`MedoidDistances.reveal`);
+on typical inputs few are.
 
 Tokens are held in *medoids-first order*: the K initial medoids, in medoid order, then
 the other tokens in index order. The unknown block is then the leading ``[K, K]`` block
