@@ -4,9 +4,14 @@
    attention kernel on G groups (``[B*G, H, N/G, D]``) against full attention
    (``[B, H, N, D]``), and the whole sliced-attention layer (qkv, permutation, inverse,
    proj) against the same layer with G = 1. Goal: kernel time <= 1.5 / G of full.
-2. Kernel cost per attention score at several sequence lengths with the same number of
+2. The same kernel timed inside the layer (``--layer-batches``): every attention call of
+   the layer, full (G = 1) and sliced, on the q/k/v its own qkv projection has just
+   written, as in a model. Step 1 times the kernel alone, interleaved with the other
+   variants, so its inputs are cold; the sliced kernel does 1/G of the arithmetic on
+   the same bytes, so reading them cold costs it relatively more.
+3. Kernel cost per attention score at several sequence lengths with the same number of
    tokens (``--score-lengths``): why G short sequences cost more than 1/G of one long one.
-3. Whole models at 224x224: GFLOPs (multiply-adds) and img/s, sliced vs unsliced.
+4. Whole models at 224x224: GFLOPs (multiply-adds) and img/s, sliced vs unsliced.
 
 Timings alternate between the variants in one process and report medians. Run with
 the allocator setting of docs/BENCHMARKS.md. Prints a markdown table; writes JSON lines.
@@ -18,7 +23,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +36,7 @@ from leanformer.bench.flops import count_gflops
 from leanformer.bench.results import write_jsonl
 from leanformer.bench.throughput import measure_throughput
 from leanformer.bench.timing import time_interleaved
+from leanformer.layers import sliced_attention
 from leanformer.layers.sliced_attention import SlicedGroupAttention
 
 
@@ -85,6 +94,65 @@ def bench_attention(batch: int, groups: int, tokens: int, dim: int, heads: int, 
                 "threads": torch.get_num_threads(),
             }
         )
+    return rows
+
+
+@contextmanager
+def timed_layer_attention(record: list[float]) -> Iterator[None]:
+    """Append the wall time of every attention call the sliced layer makes to ``record``."""
+    original = sliced_attention.attention
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        record.append(time.perf_counter() - start)
+        return out
+
+    sliced_attention.attention = timed
+    try:
+        yield
+    finally:
+        sliced_attention.attention = original
+
+
+def bench_attention_in_layer(
+    batches: list[int], groups: int, tokens: int, dim: int, heads: int, runs: int
+) -> list[dict]:
+    """The attention kernel's time inside :class:`SlicedGroupAttention`, full vs sliced.
+
+    Each call of the layer runs its qkv projection, then the kernel on that fresh output
+    (the layer's strided layout), then the output projection; only the kernel is timed.
+    Full (G = 1), sliced and sliced with permutation alternate call by call.
+    """
+    rows = []
+    variants = {"full": (1, False), "sliced": (groups, False), "sliced + permutation": (groups, True)}
+    for batch in batches:
+        torch.manual_seed(0)
+        layer = SlicedGroupAttention(dim, num_heads=heads).eval()
+        x = torch.randn(batch, tokens, dim)
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        record: list[float] = []
+        with torch.inference_mode(), timed_layer_attention(record):
+            for i in range(3 + runs):
+                for name, (g, permute) in variants.items():
+                    record.clear()
+                    layer(x, groups=g, permute=permute)
+                    if i >= 3:  # warm-up calls are not counted
+                        times[name].extend(record)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        for name, t in ms.items():
+            rows.append(
+                {
+                    "bench": "sret_attention_in_layer",
+                    "variant": name,
+                    "shape": f"B={batch}, N={tokens}, C={dim}, H={heads}, G={groups}",
+                    "batch": batch,
+                    "ms": round(t, 3),
+                    "ratio_to_full": round(t / ms["full"], 4),
+                    "goal_ratio": None if name == "full" else round(1.5 / groups, 4),
+                    "threads": torch.get_num_threads(),
+                }
+            )
     return rows
 
 
@@ -146,13 +214,20 @@ def bench_models(names: list[str], batch: int, img_size: int, runs: int) -> list
     return rows
 
 
-def print_tables(att: list[dict], score: list[dict], mod: list[dict]) -> None:
+def print_tables(att: list[dict], in_layer: list[dict], score: list[dict], mod: list[dict]) -> None:
     print(f"\nSliced group attention ({att[0]['shape']}), median ms, {att[0]['threads']} threads\n")
     print("| variant | ms | ratio to full | goal |")
     print("|---|---:|---:|---:|")
     for r in att:
         goal = f"<= {r['goal_ratio']:.3f}" if r["goal_ratio"] is not None else ""
         print(f"| {r['variant']} | {r['ms']:.2f} | {r['ratio_to_full']:.3f} | {goal} |")
+    if in_layer:
+        print(f"\nAttention kernel inside the layer, median ms, {in_layer[0]['threads']} threads\n")
+        print("| shape | variant | ms | ratio to full | goal |")
+        print("|---|---|---:|---:|---:|")
+        for r in in_layer:
+            goal = f"<= {r['goal_ratio']:.3f}" if r["goal_ratio"] is not None else ""
+            print(f"| {r['shape']} | {r['variant']} | {r['ms']:.2f} | {r['ratio_to_full']:.3f} | {goal} |")
     if score:
         print(f"\nFused kernel cost per score, {score[0]['heads']} heads of dim {score[0]['head_dim']}\n")
         print("| sequence length | sequences | ms | ns per score |")
@@ -187,18 +262,27 @@ def main() -> None:
         default="784,392,196,128,98,96",
         help="comma-separated sequence lengths for the per-score kernel cost ('' to skip)",
     )
+    parser.add_argument(
+        "--layer-batches",
+        default="4,8,16,32",
+        help="comma-separated batch sizes for the kernel timed inside the layer ('' to skip)",
+    )
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     att = bench_attention(args.batch, args.groups, tokens=784, dim=64, heads=2, runs=args.runs)
+    layer_batches = [int(b) for b in args.layer_batches.split(",") if b]
+    in_layer = bench_attention_in_layer(
+        layer_batches, args.groups, tokens=784, dim=64, heads=2, runs=args.runs
+    )
     lengths = [int(n) for n in args.score_lengths.split(",") if n]
     score = bench_score_cost(args.batch * 784, lengths, dim=64, heads=2, runs=args.runs) if lengths else []
     mod = bench_models(
         [n for n in args.models.split(",") if n], args.model_batch, args.img_size, max(args.runs // 2, 2)
     )
-    print_tables(att, score, mod)
-    rows = att + score + mod
+    print_tables(att, in_layer, score, mod)
+    rows = att + in_layer + score + mod
     out = write_jsonl(rows, args.out, append=True)
     print(f"\nwrote {len(rows)} rows to {out}")
 
