@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from leanformer.cli import main
 
@@ -30,6 +31,7 @@ def test_bench_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
     for key in ("model", "params_m", "gflops", "img_per_s", "peak_mem_mb", "threads", "batch_size"):
         assert key in row
     assert row["gflops"] > 0 and row["img_per_s"] > 0
+    assert row["threads"] == torch.get_num_threads() and isinstance(row["threads"], int)
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ def measure_throughput(
     forward_kwargs: dict[str, Any] | None = None,
     warmup: int = 3,
     runs: int = 10,
-) -> dict[str, float]:
+) -> dict[str, float | int]:
     """Time ``model(*inputs)`` in eval mode; returns ``img_per_s``, ``ms_per_batch`` (median), ``threads``."""
     if warmup < 0 or runs < 1:
         raise ValueError(f"need warmup >= 0 and runs >= 1, got warmup={warmup}, runs={runs}")
@@ -51,5 +51,5 @@ def measure_throughput(
         "img_per_s": batch_size_of(inputs) / median,
         "ms_per_batch": median * 1e3,
         "ms_per_batch_min": min(times) * 1e3,
-        "threads": float(torch.get_num_threads()),
+        "threads": torch.get_num_threads(),
     }
