@@ -214,20 +214,22 @@ def bench_models(names: list[str], batch: int, img_size: int, runs: int) -> list
     return rows
 
 
-def print_tables(att: list[dict], in_layer: list[dict], score: list[dict], mod: list[dict]) -> None:
-    print(f"\nSliced group attention ({att[0]['shape']}), median ms, {att[0]['threads']} threads\n")
+def print_ratio_table(title: str, rows: list[dict], label: Callable[[dict], str]) -> None:
+    """A markdown table of attention rows: ms, ratio to full, and the goal where it applies."""
+    print(f"\n{title}, median ms, {rows[0]['threads']} threads\n")
     print("| variant | ms | ratio to full | goal |")
     print("|---|---:|---:|---:|")
-    for r in att:
+    for r in rows:
         goal = f"<= {r['goal_ratio']:.3f}" if r["goal_ratio"] is not None else ""
-        print(f"| {r['variant']} | {r['ms']:.2f} | {r['ratio_to_full']:.3f} | {goal} |")
+        print(f"| {label(r)} | {r['ms']:.2f} | {r['ratio_to_full']:.3f} | {goal} |")
+
+
+def print_tables(att: list[dict], in_layer: list[dict], score: list[dict], mod: list[dict]) -> None:
+    print_ratio_table(f"Sliced group attention ({att[0]['shape']})", att, lambda r: r["variant"])
     if in_layer:
-        print(f"\nAttention kernel inside the layer, median ms, {in_layer[0]['threads']} threads\n")
-        print("| shape | variant | ms | ratio to full | goal |")
-        print("|---|---|---:|---:|---:|")
-        for r in in_layer:
-            goal = f"<= {r['goal_ratio']:.3f}" if r["goal_ratio"] is not None else ""
-            print(f"| {r['shape']} | {r['variant']} | {r['ms']:.2f} | {r['ratio_to_full']:.3f} | {goal} |")
+        print_ratio_table(
+            "Attention kernel inside the layer", in_layer, lambda r: f"B={r['batch']}, {r['variant']}"
+        )
     if score:
         print(f"\nFused kernel cost per score, {score[0]['heads']} heads of dim {score[0]['head_dim']}\n")
         print("| sequence length | sequences | ms | ns per score |")
