@@ -168,9 +168,7 @@ def _assign_to_medoids(dists: Tensor, medoids: Tensor, examples: Tensor | None =
     """
     B, N, _ = dists.shape
     E, k = medoids.shape
-    if examples is None:
-        examples = torch.arange(B, device=medoids.device)
-    rows = dists.view(B * N, N).index_select(0, (medoids + examples[:, None] * N).flatten()).view(E, k, N)
+    rows = dists.view(B * N, N).index_select(0, flat_rows(medoids, N, examples)).view(E, k, N)
     assign = _nearest_medoid(rows)
     return assign.scatter(1, medoids, torch.arange(k, device=medoids.device).expand(E, k))
 

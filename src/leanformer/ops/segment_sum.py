@@ -19,15 +19,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def flat_rows(index: Tensor, k: int) -> Tensor:
+def flat_rows(index: Tensor, k: int, examples: Tensor | None = None) -> Tensor:
     """``index [B, N]`` in ``[0, K)`` -> ``[B * N]`` row indices into a ``[B * K, ...]`` buffer
     (more generally: into a table whose examples start ``k`` rows apart, see :func:`row_table`).
+    ``examples [B]``: row ``e`` of ``index`` belongs to example ``examples[e]`` of the
+    table (by default example ``e``).
 
     ``index_select`` along dim 0 of a 2-D tensor copies whole rows, the fast CPU path;
     ``gather`` with an index expanded over channels is ~10x slower.
     """
-    offsets = torch.arange(index.shape[0], device=index.device)[:, None] * k
-    return (index + offsets).flatten()
+    if examples is None:
+        examples = torch.arange(index.shape[0], device=index.device)
+    return (index + examples[:, None] * k).flatten()
 
 
 def row_table(x: Tensor) -> tuple[Tensor, int]:
@@ -64,7 +67,7 @@ def segment_sum(
     ``examples [E]``: sum over ``values[examples]`` only (``segment`` and ``weights`` are
     then ``[E, N]``, the result ``[E, S, D]``), reading those rows in place, not copied.
     """
-    B, N, D = values.shape
+    _, N, D = values.shape
     flat = flat_rows(segment, num_segments)
     # Rows in segment order; a stable sort keeps each segment's rows in token order.
     order = flat.argsort(stable=True)
@@ -77,7 +80,7 @@ def segment_sum(
     rows = order
     if examples is not None or step != N:
         # Position e * N + i of the selection is row examples[e] * step + i of the table.
-        picked = torch.arange(B, device=order.device) if examples is None else examples
-        rows = (picked[:, None] * step + torch.arange(N, device=order.device)).flatten()[order]
+        tokens = torch.arange(N, device=order.device).expand(segment.shape[0], N)
+        rows = flat_rows(tokens, step, examples)[order]
     out = F.embedding_bag(rows, table, offsets, mode="sum", per_sample_weights=per_row)
     return out.view(segment.shape[0], num_segments, D)
