@@ -170,11 +170,7 @@ def load_base_model(cfg: SweepConfig, *, out_dir: Path | None = None, progress: 
 
         result = fit(run_cfg, out_dir=None if out_dir is None else out_dir / "base", progress=progress)
         return result.model
-    from leanformer.engine.builders import build_model, build_split
-
-    info = build_split(cfg.data, "test").info  # type: ignore[attr-defined]
-    torch.manual_seed(cfg.seed)
-    return build_model(cfg.model, {}, info)[0].to(cfg.device)
+    return untrained_base_model(cfg).to(cfg.device)
 
 
 def base_run_config(cfg: SweepConfig) -> RunConfig:
@@ -337,6 +333,48 @@ def measure_point(model: nn.Module, *, loader: Any, batch: Tensor, cfg: SweepCon
     return row
 
 
+# What a sweep writes in its folder (``base/`` is the run of the base model).
+SWEEP_FILES = ("results.jsonl", "table.md", "sweep.json", "tradeoff.png", "base")
+
+
+def _check_sweep_folder(out: Path, *, overwrite: bool) -> None:
+    held = [name for name in SWEEP_FILES if (out / name).exists()]
+    if held and not overwrite:
+        raise ValueError(
+            f"{out} already holds a sweep ({', '.join(held)}); replace it with --overwrite "
+            "or choose another --out"
+        )
+
+
+def _clear_sweep_folder(out: Path) -> None:
+    from leanformer.engine.run_folder import clear_run
+
+    for name in SWEEP_FILES[:-1]:
+        (out / name).unlink(missing_ok=True)
+    if (out / "base").is_dir():
+        clear_run(out / "base")
+
+
+def untrained_base_model(cfg: SweepConfig) -> nn.Module:
+    """``model:`` as built for the sweep's data, before training: the shape of the base."""
+    from leanformer.engine.builders import build_model, build_split
+
+    assert cfg.model is not None
+    info = build_split(cfg.data, "test").info  # type: ignore[attr-defined]
+    torch.manual_seed(cfg.seed)  # the untrained weights a sweep without train: evaluates
+    return build_model(cfg.model, {}, info)[0]
+
+
+def check_points(cfg: SweepConfig, base: nn.Module) -> None:
+    """Build every ``(method, budget)`` variant of ``base`` once: a budget the model cannot
+    take raises here (naming the point), before any work."""
+    for method, keep in sweep_points(cfg):
+        try:
+            with_method(base, method, keep, carry=cfg.carry, options=method_options(cfg, method))
+        except ValueError as err:
+            raise ValueError(f"{method} at budget {budget_label(keep)}: {err}") from None
+
+
 @dataclass
 class SweepResult:
     rows: list[dict[str, Any]]
@@ -350,10 +388,12 @@ def run_sweep(
     out_dir: str | Path | None = None,
     progress: bool = True,
     base: nn.Module | None = None,
+    overwrite: bool = False,
 ) -> SweepResult:
     """Evaluate every ``(method, budget)`` point; write results.jsonl, table.md, tradeoff.png.
 
     ``base`` skips loading/training the base model (tests, or a model already in memory).
+    ``out_dir`` must not hold a sweep's results already unless ``overwrite`` is set.
     """
     from leanformer.data.loaders import eval_loader, train_loader
     from leanformer.engine.builders import build_split
@@ -365,6 +405,15 @@ def run_sweep(
         check_poolable(model_info(cfg.model).cls)  # before training it
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
+        _check_sweep_folder(out, overwrite=overwrite)
+    trains_base = base is None and cfg.model is not None and bool(cfg.train)
+    if base is None and not trains_base:
+        base = load_base_model(cfg, progress=progress)
+    # Every point is built once before anything is written or trained: a budget that does
+    # not fit the model fails now, not after the base model has trained.
+    check_points(cfg, base if base is not None else untrained_base_model(cfg))
+    if out is not None:
+        _clear_sweep_folder(out)
         out.mkdir(parents=True, exist_ok=True)
     if base is None:
         base = load_base_model(cfg, out_dir=out, progress=progress)

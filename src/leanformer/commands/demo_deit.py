@@ -11,7 +11,7 @@ HELP = "train a small DeiT on the bundled digits and report accuracy, GFLOPs and
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--out", default="runs/demo_deit", help="run folder")
+    parser.add_argument("--out", default="runs/demo_deit", help="run folder, replaced by every demo run")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             "device": args.device,
         },
     )
-    result = fit(cfg, out_dir=Path(args.out), progress=not args.quiet and not args.json)
+    result = fit(cfg, out_dir=Path(args.out), progress=not args.quiet and not args.json, overwrite=True)
     row = {
         "demo": "deit",
         "model": cfg.model,

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dqs-rule", default="any", choices=("any", "kept"), help="DQS rule (default: the paper's)"
     )
     parser.add_argument("--reps", type=int, default=5, help="random-subset repetitions (default 5)")
-    parser.add_argument("--out", default="runs/demo_perceiver", help="run folder")
+    parser.add_argument("--out", default="runs/demo_perceiver", help="run folder, replaced by every demo run")
 
 
 def _train(args: argparse.Namespace, masking: bool, out: Path) -> Any:
@@ -73,7 +73,7 @@ def _train(args: argparse.Namespace, masking: bool, out: Path) -> Any:
             "device": args.device,
         },
     )
-    return cfg, fit(cfg, out_dir=out, progress=not args.quiet and not args.json)
+    return cfg, fit(cfg, out_dir=out, progress=not args.quiet and not args.json, overwrite=True)
 
 
 def run(args: argparse.Namespace) -> list[dict]:

@@ -26,7 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(name for name, _ in MODELS),
         help="comma-separated registered models to compare (default: the three above)",
     )
-    parser.add_argument("--out", default="runs/demo_sret", help="run folder (one sub-folder per model)")
+    parser.add_argument(
+        "--out",
+        default="runs/demo_sret",
+        help="run folder (one sub-folder per model), replaced by every demo run",
+    )
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             },
         )
         out = Path(args.out) / name
-        result = fit(cfg, out_dir=out, progress=not args.quiet and not args.json)
+        result = fit(cfg, out_dir=out, progress=not args.quiet and not args.json, overwrite=True)
         rows.append(
             {
                 "demo": "sret",

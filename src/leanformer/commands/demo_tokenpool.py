@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--epochs", type=int, default=None, help="training epochs of the base model (default 15)"
     )
-    parser.add_argument("--out", default="runs/demo_tokenpool", help="output folder")
+    parser.add_argument(
+        "--out", default="runs/demo_tokenpool", help="output folder, replaced by every demo run"
+    )
     parser.add_argument("--no-throughput", action="store_true", help="skip the img/s measurement")
 
 
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     start = time.perf_counter()
     cfg = sweep_config_from_dict(demo_config(args))
     out = Path(getattr(args, "out", None) or "runs/demo_tokenpool")
-    result = run_sweep(cfg, out_dir=out, progress=not (args.quiet or args.json))
+    result = run_sweep(cfg, out_dir=out, progress=not (args.quiet or args.json), overwrite=True)
     if not args.json:
         print(
             markdown_table(result.rows, title="Token Pooling on digits (deit_digits, no fine-tuning, carry)")

@@ -22,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--config", help="sweep YAML file (see docs/token-pooling.md, 'Trade-off harness')")
     src.add_argument("--preset", help="a named sweep from configs/, e.g. tradeoff_digits")
     parser.add_argument("--out", help="output folder (default: runs/<sweep name>)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the sweep --out holds")
     parser.add_argument("--methods", help="comma-separated methods (overrides the config)")
     parser.add_argument(
         "--budget",
@@ -64,8 +65,10 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     path = Path(args.config) if args.config else find_preset(args.preset)
     cfg = load_sweep_config(path, overrides_from_args(args))
-    out = Path(args.out) if args.out else Path("runs") / cfg.name
-    result = run_sweep(cfg, out_dir=out, progress=not (args.quiet or args.json))
+    if args.out is not None and not args.out.strip():
+        raise ValueError("--out is empty; give the output folder (or leave --out out for runs/<sweep name>)")
+    out = Path(args.out) if args.out is not None else Path("runs") / cfg.name
+    result = run_sweep(cfg, out_dir=out, progress=not (args.quiet or args.json), overwrite=args.overwrite)
     if not args.json:
         print(markdown_table(result.rows, title=cfg.name))
         print(f"\nwrote {out / 'results.jsonl'}, {out / 'table.md'}, {out / 'tradeoff.png'}")

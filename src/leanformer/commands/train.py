@@ -37,12 +37,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--teacher", help="distillation teacher: registered name or checkpoint path")
     parser.add_argument("--distill-weight", type=float, help="soft-label loss weight (1 = soft only)")
     parser.add_argument("--distill-tau", type=float, help="distillation temperature")
-    parser.add_argument("--out", default=None, help="run folder (default: runs/<model>)")
     parser.add_argument(
+        "--out", default=None, help="run folder; it must not hold a run already (default: runs/<model>)"
+    )
+    existing = parser.add_mutually_exclusive_group()
+    existing.add_argument(
         "--resume",
         action="store_true",
         help="continue the run in --out from its last checkpoint, with the config saved in that "
         "folder (flags given now override it)",
+    )
+    existing.add_argument(
+        "--overwrite", action="store_true", help="replace the run --out holds with a new one"
     )
 
 
@@ -92,7 +98,7 @@ def _saved_config(args: argparse.Namespace) -> Path | None:
     """``--resume`` without ``--config``: the run folder's own ``config.yaml``."""
     if not args.resume or args.config is not None:
         return None
-    if not args.out:
+    if args.out is None:
         raise ValueError("--resume needs --out, the folder of the run to continue")
     saved = Path(args.out) / "config.yaml"
     if not saved.is_file():
@@ -101,6 +107,7 @@ def _saved_config(args: argparse.Namespace) -> Path | None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    from leanformer.engine.run_folder import held_run_files
     from leanformer.engine.train import fit
 
     call_time = [
@@ -117,9 +124,19 @@ def run(args: argparse.Namespace) -> list[dict]:
             f"train does not take {', '.join(call_time)} (evaluation options of eval/bench); "
             "a Perceiver trains for every query count with --query-masking"
         )
+    if args.out is not None and not args.out.strip():
+        raise ValueError("--out is empty; give the run folder (or leave --out out for runs/<model>)")
     cfg = build_config(args, _saved_config(args))
-    out = Path(args.out) if args.out else Path("runs") / cfg.model
-    result = fit(cfg, out_dir=out, progress=not args.quiet and not args.json, resume=args.resume)
+    out = Path(args.out) if args.out is not None else Path("runs") / cfg.model
+    if args.overwrite and held_run_files(out) and not args.quiet:
+        print(f"leanformer: replacing the run in {out} (--overwrite)", file=sys.stderr)
+    result = fit(
+        cfg,
+        out_dir=out,
+        progress=not args.quiet and not args.json,
+        resume=args.resume,
+        overwrite=args.overwrite,
+    )
     if result.out_dir is None or not _is_main():
         return []
     row = {

@@ -1,15 +1,15 @@
 """Training: AdamW, warm-up + cosine, label smoothing, gradient clipping, seeded; DDP under torchrun.
 
 A run folder holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one line per
-epoch) and ``last.safetensors`` (+ ``last.json``), rewritten atomically after every epoch.
-``fit(..., resume=True)`` continues from it and gives the same metrics as an
-uninterrupted run: data order is a function of (seed, epoch) and the RNG states are
-saved with the weights.
+epoch) and ``last.safetensors`` (+ ``last.json``), committed after every epoch as
+:mod:`leanformer.engine.run_folder` describes. ``fit(..., resume=True)`` continues from it
+and gives the same metrics as an uninterrupted run: data order is a function of
+(seed, epoch) and the RNG states are saved with the weights. A folder that holds a run is
+only continued (``resume=True``) or replaced (``overwrite=True``), never written over.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Collection
@@ -26,13 +26,25 @@ from torch.nn.parallel import DistributedDataParallel
 from leanformer.config import RunConfig, TrainConfig, to_dict
 from leanformer.data.loaders import eval_loader, train_loader
 from leanformer.engine.builders import build_model, build_split
-from leanformer.engine.checkpoint import atomic_write_bytes, load_checkpoint, save_checkpoint
+from leanformer.engine.checkpoint import (
+    CHECKPOINT_NAME,
+    atomic_write_bytes,
+    load_checkpoint,
+    save_checkpoint,
+)
 from leanformer.engine.distributed import DistInfo, barrier, cleanup_distributed, setup_distributed
 from leanformer.engine.evaluate import call_model, evaluate, to_device
+from leanformer.engine.run_folder import (
+    CONFIG_NAME,
+    check_new_run_folder,
+    clear_run,
+    read_metrics,
+    recover,
+    remove_stale_temporaries,
+    write_metrics,
+)
 from leanformer.engine.schedule import param_groups, warmup_cosine
 from leanformer.progress import progress_bar
-
-CHECKPOINT_NAME = "last.safetensors"
 
 
 class NonFiniteLossError(RuntimeError):
@@ -181,17 +193,33 @@ def _query_sampler(cfg: RunConfig, model: nn.Module, seed: int):
 def _write_config(out_dir: Path, cfg: RunConfig, model_options: dict[str, Any]) -> None:
     resolved = to_dict(cfg)
     resolved["model_options"] = model_options
-    atomic_write_bytes(out_dir / "config.yaml", yaml.safe_dump(resolved, sort_keys=False).encode())
+    atomic_write_bytes(out_dir / CONFIG_NAME, yaml.safe_dump(resolved, sort_keys=False).encode())
 
 
-def _truncate_metrics(path: Path, last_epoch: int) -> list[dict[str, Any]]:
-    """Keep only the metric lines of epochs the checkpoint covers (a crash may leave more)."""
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if r.get("epoch", 0) <= last_epoch]
-    atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
-    return rows
+def _check_forward(model: nn.Module, dataset: Any, device: torch.device) -> None:
+    """One forward pass on one training example, before anything is written: a model that
+    does not fit the data (an image size the patch size does not divide, say) fails here,
+    not after the run folder exists. The RNG is restored, so training is unchanged."""
+    from torch.utils.data import default_collate
+
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        inputs, _ = default_collate([dataset[0]])
+        was_training = model.training
+        model.eval()
+        try:
+            call_model(model, to_device(inputs, device))
+        finally:
+            model.train(was_training)
+
+
+def _stop_message(loss: Tensor, epoch: int, step: int, out: Path | None) -> str:
+    """Why training stopped, naming the checkpoint to go back to only if there is one."""
+    message = f"loss became {loss.item()} at epoch {epoch + 1}, step {step + 1}; training stopped"
+    if out is None:
+        return message
+    if (out / CHECKPOINT_NAME).is_file():
+        return f"{message}; the last good checkpoint is {out / CHECKPOINT_NAME}"
+    return f"{message} before any epoch finished, so no checkpoint was written (lower --lr?)"
 
 
 def fit(
@@ -200,28 +228,34 @@ def fit(
     out_dir: str | Path | None = None,
     progress: bool = True,
     resume: bool = False,
+    overwrite: bool = False,
     stop_after_epochs: int | None = None,
 ) -> FitResult:
     """Train ``cfg.model`` on ``cfg.data``; evaluate on the test split after every epoch.
 
-    ``stop_after_epochs`` ends this call early (as an interruption would), leaving a
-    checkpoint that ``resume=True`` continues from.
+    ``out_dir`` must not hold a run already unless ``resume`` (continue it) or
+    ``overwrite`` (replace it) is set. Nothing is written there before the config, the data
+    and the model have been checked (one forward pass). ``stop_after_epochs`` ends this
+    call early (as an interruption would), leaving a checkpoint that ``resume=True``
+    continues from.
     """
     _validate(cfg)
-    dist_info: DistInfo = setup_distributed(cfg.device)
-    device = dist_info.device
     out = Path(out_dir) if out_dir is not None else None
+    if resume and overwrite:
+        raise ValueError("resume continues the run in the folder and overwrite replaces it: give one")
     if resume and out is None:
         raise ValueError("resume needs the run folder (--out) of the run to continue")
-    if resume and out is not None and not (out / CHECKPOINT_NAME).exists():
-        # Nothing to resume is fine (the run stopped before its first checkpoint), but
-        # metrics of finished epochs without their checkpoint would be lost by a restart.
-        metrics = out / "metrics.jsonl"
-        if metrics.is_file() and metrics.read_text().strip():
-            raise ValueError(
-                f"resume: {out} has epochs in metrics.jsonl but no {CHECKPOINT_NAME} to continue "
-                "from; restore the checkpoint, or move the folder away to start over"
-            )
+    if out is not None and not resume:
+        check_new_run_folder(out, overwrite=overwrite)
+    # Nothing to resume is fine (the run stopped before its first checkpoint), but
+    # metrics of finished epochs without their checkpoint would be lost by a restart.
+    if resume and out is not None and not (out / CHECKPOINT_NAME).exists() and read_metrics(out):
+        raise ValueError(
+            f"resume: {out} has epochs in metrics.jsonl but no {CHECKPOINT_NAME} to continue "
+            "from; restore the checkpoint, or move the folder away to start over"
+        )
+    dist_info: DistInfo = setup_distributed(cfg.device)
+    device = dist_info.device
     try:
         train_set = build_split(cfg.data, "train")
         test_set = build_split(cfg.data, "test")
@@ -254,6 +288,7 @@ def fit(
         )
         loss_fn = _LossFn(cfg, _build_teacher(cfg, info, device))
         sample_kwargs, query_gen = _query_sampler(cfg, model, cfg.seed)
+        _check_forward(model, train_set, device)
         # Dropout / drop-path randomness differs per process, as in any DDP run.
         torch.manual_seed(cfg.seed * 1000 + 1 + dist_info.rank)
 
@@ -285,10 +320,10 @@ def fit(
             if query_gen is not None:
                 query_gen.set_state(ckpt.extra["query_rng"])
             start_epoch = int(ckpt.meta["epoch"])
-            history = _truncate_metrics(out / "metrics.jsonl", start_epoch)
+            history = recover(out) if dist_info.is_main else list(ckpt.meta.get("history", []))
         elif out is not None and dist_info.is_main:
             out.mkdir(parents=True, exist_ok=True)
-            (out / "metrics.jsonl").unlink(missing_ok=True)
+            clear_run(out)  # what a resume found nothing to continue from, or --overwrite
         if out is not None and dist_info.is_main:
             _write_config(out, cfg, model_options)
 
@@ -317,14 +352,7 @@ def fit(
                 loss = loss_fn(logits, target, inputs)
                 # One host sync per step: a diverged run must stop before it overwrites anything.
                 if not torch.isfinite(loss).item():
-                    raise NonFiniteLossError(
-                        f"loss became {loss.item()} at epoch {epoch + 1}, step {step + 1}; training stopped"
-                        + (
-                            f", last good checkpoint kept in {out / CHECKPOINT_NAME}"
-                            if out is not None
-                            else ""
-                        )
-                    )
+                    raise NonFiniteLossError(_stop_message(loss, epoch, step, out))
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if cfg.train.grad_clip is not None:
@@ -353,6 +381,7 @@ def fit(
                 epochs.set_postfix(top1=f"{metrics['top1']:.1f}", loss=f"{train_loss:.3f}")
             rng_states = _gather_rng(dist_info)
             if out is not None and dist_info.is_main:
+                # The checkpoint's rename commits the epoch; the views follow it.
                 if cfg.train.checkpoint:
                     extra: dict[str, Any] = {"torch_rng": rng_states}
                     if query_gen is not None:
@@ -368,11 +397,12 @@ def fit(
                             "epoch": epoch + 1,
                             "config": to_dict(cfg),
                             "metrics": metrics,
+                            "history": history,
                         },
                         extra=extra,
                     )
-                with (out / "metrics.jsonl").open("a") as handle:
-                    handle.write(json.dumps(metrics) + "\n")
+                write_metrics(out, history)
+                remove_stale_temporaries(out)
             barrier(dist_info)
         return FitResult(
             model=model, metrics=metrics, history=history, model_options=model_options, out_dir=out
