@@ -111,3 +111,85 @@ def test_readers_take_only_the_tensors_they_use(tmp_path: Path, monkeypatch: pyt
     assert full.optimizer_state  # the file does hold optimizer tensors that were skipped
     with pytest.raises(ValueError, match="does not exist"):
         read_checkpoint_meta(tmp_path / "nope.safetensors")
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-epoch run folder of deit_test at 16x16."""
+    from leanformer.config import load_config
+    from leanformer.engine.train import fit
+
+    flags = {"model": "deit_test", "data.img_size": "16", "data.limit_train": "16"}
+    flags.update({"data.limit_test": "16", "data.batch_size": "16", "optim.epochs": "1"})
+    run = tmp_path_factory.mktemp("trained") / "run"
+    fit(load_config(None, flags), out_dir=run, progress=False)
+    return run
+
+
+def _flip_tensor_byte(path: Path) -> None:
+    """Damage one byte of the tensor data, leaving the header (and so the file's form) intact."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    data[start + (len(data) - start) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_damaged_tensor_bytes_are_refused(
+    tmp_path: Path, trained_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from leanformer.cli import main
+
+    path = tmp_path / "last.safetensors"
+    shutil.copy(trained_run / "last.safetensors", path)
+    assert load_checkpoint(path).meta["epoch"] == 1
+    _flip_tensor_byte(path)
+    for read in (load_checkpoint, load_model):
+        with pytest.raises(ValueError, match="is damaged: its tensor bytes have SHA-256"):
+            read(path)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is damaged" in err and len(err.splitlines()) == 1
+
+
+def test_checkpoints_without_a_digest_load_with_a_warning(
+    tmp_path: Path, trained_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Files written before checksums existed: accepted, but not silently."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from leanformer.cli import main
+    from leanformer.errors import UnverifiedCheckpointWarning
+
+    path, old = trained_run / "last.safetensors", tmp_path / "run" / "last.safetensors"
+    model = load_model(path)
+    with safe_open(str(path), framework="pt") as handle:
+        header = handle.metadata()[ckpt_module.META_KEY]
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
+    old.parent.mkdir()
+    save_file(tensors, str(old), metadata={ckpt_module.META_KEY: header})
+    assert json.loads(header)["epoch"] == 1
+    with pytest.warns(UnverifiedCheckpointWarning, match="carries no SHA-256"):
+        rebuilt = load_model(old)
+    for key, value in model.state_dict().items():
+        assert torch.equal(rebuilt.state_dict()[key], value)
+    # The command line shows it on one line, and takes the run folder for --checkpoint.
+    assert main(["eval", "--checkpoint", str(old.parent)]) == 0
+    err = capsys.readouterr().err
+    assert "leanformer: warning:" in err and "carries no SHA-256" in err
+
+
+def test_checkpoint_may_be_a_run_folder(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _save(run / "last.safetensors", leanformer.create_model("deit_test"), 2)
+    assert read_checkpoint_meta(run)["epoch"] == 2
+    assert load_checkpoint(run).meta["epoch"] == 2
+    with pytest.raises(
+        ValueError, match=r"is a folder without a checkpoint \(looked for .*last\.safetensors\)"
+    ):
+        load_model(tmp_path)

@@ -48,7 +48,9 @@ def test_config_validation() -> None:
     assert sweep_config_from_dict(ok).methods == ["wkmedoids"]
     with pytest.raises(ValueError, match="exactly one of checkpoint"):
         sweep_config_from_dict({**ok, "timm_model": "vit_tiny_patch16_224"})
-    with pytest.raises(ValueError, match="unknown method 'wkmedoid'"):
+    with pytest.raises(
+        ValueError, match="methods: unknown pooling method 'wkmedoid'; did you mean wkmedoids"
+    ):
         sweep_config_from_dict({**ok, "methods": ["wkmedoid"]})
     with pytest.raises(ValueError, match="budgets: is empty"):
         sweep_config_from_dict({**ok, "budgets": []})

@@ -10,15 +10,38 @@ import json
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from leanformer import __version__
+from leanformer.allocator import configure_allocator
 from leanformer.commands import add_common_arguments, discover
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help that names each option's default value, unless its text already does or the
+    default is "not given" (None, False, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default in (None, False, argparse.SUPPRESS)
+            or default == []
+            or not action.option_strings
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)".strip()
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         # argparse's usage block is noise for one wrong flag: one line, exit 2.
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -73,6 +96,19 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _show_warning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    """leanformer's own warnings as one line, like its errors; others as Python shows them."""
+    from leanformer.errors import UnverifiedCheckpointWarning
+
+    if issubclass(category, UnverifiedCheckpointWarning):
+        print(f"leanformer: warning: {message}", file=sys.stderr)
+    else:
+        _python_show_warning(message, category, *args, **kwargs)
+
+
+_python_show_warning = warnings.showwarning
+
+
 def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
 
@@ -108,6 +144,13 @@ def check_device(device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_allocator()  # before any large tensor: timings must not depend on the shell
+    with warnings.catch_warnings():  # restores Python's own display when the command ends
+        warnings.showwarning = _show_warning
+        return _run_command(argv)
+
+
+def _run_command(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     module: ModuleType | None = getattr(args, "_module", None)

@@ -16,21 +16,39 @@ from leanformer.commands._options import (
 )
 
 COMMAND = ("bench",)
+# Model options every row reports, given or not (the token-pooling ones).
+STANDARD_OPTIONS = ("pool", "keep", "carry")
 HELP = "measure params, GFLOPs, throughput and peak memory"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, model_required=False)
-    parser.add_argument("--checkpoint", help="bench a trained checkpoint instead of --model")
+    parser.add_argument(
+        "--checkpoint", help="bench a trained checkpoint (file or run folder) instead of --model"
+    )
     # One input size or the other: an encoder's feature map comes from --feature-size when
     # given, so an --img-size beside it would be reported but unused.
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--img-size", type=int, help="input size (default: the model's)")
-    size.add_argument("--feature-size", type=parse_size, help="feature-map size HxW for encoder models")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    size.add_argument(
+        "--feature-size",
+        type=parse_size,
+        help="feature-map size HxW for encoder models (default: the model's)",
+    )
+    parser.add_argument("--batch-size", type=int, default=1, help="images per forward pass")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed forward passes before timing")
+    parser.add_argument("--runs", type=int, default=10, help="timed forward passes")
+    parser.add_argument(
+        "--no-memory", action="store_true", help="skip the forward activations peak measurement"
+    )
+
+
+def _int_or_none(size: Any) -> int | None:
+    if isinstance(size, int):
+        return size
+    if isinstance(size, tuple | list) and size and isinstance(size[0], int):
+        return size[0]
+    return None
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -58,11 +76,18 @@ def run(args: argparse.Namespace) -> list[dict]:
         model, args.batch_size, img_size=args.img_size, feature_size=args.feature_size, device=args.device
     )
     kwargs = forward_kwargs(args, model)
-    row: dict[str, Any] = {"model": name, **options, **kwargs, "batch_size": args.batch_size}
-    if args.img_size is not None:
-        row["img_size"] = args.img_size
-    if args.feature_size is not None:
-        row["feature_size"] = f"{args.feature_size[0]}x{args.feature_size[1]}"
+    # The same keys for every model and option (None where one does not apply): a table
+    # of rows from several runs needs no guessing which fields exist.
+    row: dict[str, Any] = {"model": name, **dict.fromkeys(STANDARD_OPTIONS), **options, **kwargs}
+    row["batch_size"] = args.batch_size
+    # An image model's own size when none is given; a model that makes its own example
+    # inputs (feature maps, pairs) reports only what was given.
+    own_size = None if callable(getattr(model, "example_inputs", None)) else getattr(model, "img_size", None)
+    row["img_size"] = args.img_size if args.img_size is not None else _int_or_none(own_size)
+    row["feature_size"] = (
+        f"{args.feature_size[0]}x{args.feature_size[1]}" if args.feature_size is not None else None
+    )
+    row["peak_mem_mb"] = None
     row.update(
         bench_model(
             model,
@@ -75,7 +100,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     )
     if not args.json:
         mem = row.get("peak_mem_mb")
-        mem_text = f", peak memory {mem:.1f} MB" if mem is not None else ""
+        # Tensor bytes the forward pass allocates above what was live before it, at their
+        # peak: weights and the process's own memory are not in it.
+        mem_text = f", forward activations peak {mem:.2f} MB" if mem is not None else ""
         print(
             f"{name}: {row['params_m']:.2f}M params, {row['gflops']:.4g} GFLOPs/sample, "
             f"{row['img_per_s']:.1f} img/s (batch {args.batch_size}, {int(row['threads'])} threads){mem_text}"

@@ -25,7 +25,7 @@ ACCEPTS_OVERRIDES = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint", help="a last.safetensors written by `leanformer train`")
+    parser.add_argument("--checkpoint", help="a checkpoint written by `leanformer train`, or its run folder")
     parser.add_argument("--config", help="YAML config (for the data) when no checkpoint is given")
     parser.add_argument("--split", default="test", choices=("train", "test"))
     add_model_arguments(parser)
@@ -112,18 +112,18 @@ def run(args: argparse.Namespace) -> list[dict]:
         row.update(
             kept_mean=counts.mean().item(),
             kept_std=counts.std().item() if counts.numel() > 1 else 0.0,
-            kept_min=counts.min().item(),
-            kept_max=counts.max().item(),
+            kept_min=int(counts.min().item()),  # query counts: integers
+            kept_max=int(counts.max().item()),
         )
     if not args.json:
         extra = (
             f", kept queries {row['kept_mean']:.1f} ± {row['kept_std']:.1f} "
-            f"(min {int(row['kept_min'])}, max {int(row['kept_max'])})"
+            f"(min {row['kept_min']}, max {row['kept_max']})"
             if kept
             else ""
         )
         print(
             f"{row['model']} on {cfg.data.name}/{args.split}: top-1 {row['top1']:.2f}% "
-            f"(loss {row['loss']:.4f}, n={int(row['n'])}){extra}"
+            f"(loss {row['loss']:.4f}, n={row['n']}){extra}"
         )
     return [row]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 
 from leanformer.models.registry import list_models, model_info
 
@@ -16,6 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.family is not None:
+        families = sorted({model_info(name).family for name in list_models()})
+        if args.family not in families:
+            close = difflib.get_close_matches(args.family, families, n=3, cutoff=0.5)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise ValueError(f"unknown family {args.family!r}; {hint}families: {', '.join(families)}")
     names = list_models(args.pattern, family=args.family)
     rows = []
     for name in names:

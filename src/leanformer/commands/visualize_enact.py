@@ -41,8 +41,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--checkpoint", help="a trained detr_encoder checkpoint: use its first ENACT layer")
     parser.add_argument(
-        "--out", default="runs/enact_regions.png", help="PNG path (default runs/enact_regions.png)"
+        "--out",
+        help="PNG path (default: runs/enact_<image>_s<stride>_sigma<sigma>[_<checkpoint>].png, "
+        "named after what it shows so that different runs do not overwrite each other)",
     )
+
+
+def default_out(args: argparse.Namespace, name: str) -> Path:
+    """The figure's path when no ``--out`` is given: one file per image and setting."""
+    image = Path(name).stem if args.input else name
+    if not args.input and args.image == "noise":
+        image += f"_seed{args.seed}"
+    parts = [f"enact_{image}", f"s{args.stride}", f"sigma{args.sigma:g}"]
+    if args.checkpoint:
+        parts.append(
+            Path(args.checkpoint).resolve().parent.name
+            if Path(args.checkpoint).is_file()
+            else Path(args.checkpoint).name
+        )
+    return Path("runs") / ("_".join(parts) + ".png")
 
 
 def load_image(args: argparse.Namespace) -> tuple[Tensor, str]:
@@ -118,7 +135,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         plan = plan_from_signs(signs.view(1, H * W))
     regions = plan.region_id.view(H, W)
     title = f"{name}: {H}x{W} features"
-    out = _plot(image, entropy.view(H, W), signs[0], regions, Path(args.out), title=title)
+    target = Path(args.out) if args.out else default_out(args, name)
+    out = _plot(image, entropy.view(H, W), signs[0], regions, target, title=title)
     L = int(plan.counts[0])
     row = {
         "image": name,

@@ -61,4 +61,4 @@ def evaluate(
         model.train(was_training)
     if count == 0:
         raise ValueError("evaluation data is empty")
-    return {"top1": 100.0 * correct.item() / count, "loss": loss_sum.item() / count, "n": float(count)}
+    return {"top1": 100.0 * correct.item() / count, "loss": loss_sum.item() / count, "n": count}

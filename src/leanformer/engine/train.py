@@ -215,11 +215,12 @@ def _check_forward(model: nn.Module, dataset: Any, device: torch.device) -> None
 def _stop_message(loss: Tensor, epoch: int, step: int, out: Path | None) -> str:
     """Why training stopped, naming the checkpoint to go back to only if there is one."""
     message = f"loss became {loss.item()} at epoch {epoch + 1}, step {step + 1}; training stopped"
-    if out is None:
-        return message
-    if (out / CHECKPOINT_NAME).is_file():
+    if out is not None and (out / CHECKPOINT_NAME).is_file():
         return f"{message}; the last good checkpoint is {out / CHECKPOINT_NAME}"
-    return f"{message} before any epoch finished, so no checkpoint was written (lower --lr?)"
+    if out is not None:
+        message += "; no checkpoint was written"
+    # Diverging in the first epoch is nearly always a learning rate far too high.
+    return message + (" (is the learning rate too high?)" if epoch == 0 else "")
 
 
 def fit(

@@ -381,7 +381,8 @@ def list_methods() -> list[str]:
     return list(METHODS)
 
 
-def _method(name: str) -> PoolingMethod:
+def pooling_method(name: str) -> PoolingMethod:
+    """The method registered as ``name`` (a ``ValueError`` naming close matches if none is)."""
     if name not in METHODS:
         import difflib
 
@@ -417,7 +418,7 @@ def build_reducers(
     clustering methods; ``seed`` for ``random``/``importance``; ``layers`` for ``conv``.
     Unknown options raise ``ValueError``.
     """
-    spec = _method(method)
+    spec = pooling_method(method)
     unknown = sorted(set(options) - set(spec.options))
     if unknown:
         valid = ", ".join(spec.options) if spec.options else "none"
