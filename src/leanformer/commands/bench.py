@@ -76,18 +76,21 @@ def run(args: argparse.Namespace) -> list[dict]:
         model, args.batch_size, img_size=args.img_size, feature_size=args.feature_size, device=args.device
     )
     kwargs = forward_kwargs(args, model)
-    # The same keys for every model and option (None where one does not apply): a table
-    # of rows from several runs needs no guessing which fields exist.
-    row: dict[str, Any] = {"model": name, **dict.fromkeys(STANDARD_OPTIONS), **options, **kwargs}
-    row["batch_size"] = args.batch_size
-    # An image model's own size when none is given; a model that makes its own example
-    # inputs (feature maps, pairs) reports only what was given.
+    # The same keys, in the same order, for every model and option (None where one does
+    # not apply): a table of rows from several runs needs no guessing which fields exist.
+    # An image model reports its own size when none is given; a model that makes its own
+    # example inputs (feature maps, pairs) reports only what was given.
     own_size = None if callable(getattr(model, "example_inputs", None)) else getattr(model, "img_size", None)
-    row["img_size"] = args.img_size if args.img_size is not None else _int_or_none(own_size)
-    row["feature_size"] = (
-        f"{args.feature_size[0]}x{args.feature_size[1]}" if args.feature_size is not None else None
-    )
-    row["peak_mem_mb"] = None
+    row: dict[str, Any] = {
+        "model": name,
+        **{key: options.get(key) for key in STANDARD_OPTIONS},
+        "batch_size": args.batch_size,
+        "img_size": args.img_size if args.img_size is not None else _int_or_none(own_size),
+        "feature_size": None if args.feature_size is None else "{}x{}".format(*args.feature_size),
+        "peak_mem_mb": None,
+    }
+    row.update({key: value for key, value in options.items() if key not in row})
+    row.update(kwargs)
     row.update(
         bench_model(
             model,
