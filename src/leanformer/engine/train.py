@@ -144,7 +144,7 @@ def _build_teacher(cfg: RunConfig, info: Any, device: torch.device) -> nn.Module
     from leanformer.engine.checkpoint import load_model
 
     source = cfg.train.teacher
-    if Path(source).is_file():
+    if Path(source).exists():  # a checkpoint file or a run folder
         teacher = load_model(source, device=device)
     else:
         teacher, _ = build_model(source, {}, info)
