@@ -22,18 +22,11 @@ from leanformer.engine import checkpoint as checkpoint_module
 from leanformer.engine.checkpoint import load_checkpoint
 from leanformer.engine.run_folder import RUN_FILES, remove_stale_temporaries
 from leanformer.engine.train import NonFiniteLossError, fit
+from test_train import QUICK
 
 Capture = pytest.CaptureFixture[str]
-# One batch an epoch: an epoch costs a fraction of a second.
-FAST = {
-    "model": "deit_test",
-    "model_options.drop_path_rate": "0.1",  # randomness in training, so RNG state matters
-    "data.img_size": "16",
-    "data.limit_train": "16",
-    "data.limit_test": "16",
-    "data.batch_size": "16",
-    "optim.epochs": "3",
-}
+# test_train's run with one batch an epoch: an epoch costs a fraction of a second.
+FAST = {**QUICK, "data.limit_train": "16", "data.limit_test": "16", "data.batch_size": "16"}
 TRAIN = ["train", "--model", "deit_test", "--img-size", "16", "--batch-size", "16"]
 TRAIN += ["--data.limit_train", "16", "--data.limit_test", "16", "--quiet"]
 
