@@ -27,7 +27,7 @@ from pathlib import Path
 
 from leanformer.allocator import SETTINGS
 
-BENCH = ["bench", "--model", "deit_small", "--batch-size", "8", "--runs", "10", "--warmup", "3"]
+BENCH = ["bench", "--model", "deit_small", "--runs", "10", "--warmup", "3"]  # batch 1, the default
 BENCH += ["--no-memory", "--json"]
 
 
