@@ -91,15 +91,27 @@ def test_unknown_family_is_an_error(capsys: Capture) -> None:
 def test_visualize_enact_figures_do_not_overwrite_each_other(
     tmp_path: Path, capsys: Capture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from leanformer.commands.visualize_enact import default_out
+
     monkeypatch.chdir(tmp_path)
-    written = []
-    for sigma in ("3", "0"):
-        argv = ["visualize", "--json", "enact", "--image", "noise", "--stride", "32", "--sigma", sigma]
-        assert main(argv) == 0
-        (row,) = _rows(capsys)
-        written.append(row["out"])
-    assert written == ["runs/enact_noise_seed0_s32_sigma3.png", "runs/enact_noise_seed0_s32_sigma0.png"]
-    assert all((tmp_path / path).is_file() for path in written)
+    argv = ["visualize", "--json", "enact", "--image", "noise", "--stride", "32", "--sigma", "3"]
+    assert main(argv) == 0
+    (row,) = _rows(capsys)
+    assert row["out"] == "runs/enact_noise_seed0_s32_sigma3.png" and (tmp_path / row["out"]).is_file()
+    # Other inputs and settings get other files.
+    parser = build_parser()
+    names = {
+        str(default_out(parser.parse_args(["visualize", "enact", *flags]), name))
+        for flags, name in (
+            ([], "china"),
+            (["--image", "flower"], "flower"),
+            (["--sigma", "0"], "china"),
+            (["--stride", "8"], "china"),
+            (["--image", "noise", "--seed", "1"], "noise"),
+            (["--input", "photo.jpg"], "photo.jpg"),
+        )
+    }
+    assert len(names) == 6 and row["out"] not in names
 
 
 def test_allocator_settings_respect_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,9 +148,13 @@ def test_allocator_keeps_large_blocks_in_the_heap() -> None:
     if not hasattr(ctypes.CDLL(None), "mallinfo2"):
         pytest.skip("glibc older than 2.33")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    configure = "from leanformer.allocator import configure_allocator; configure_allocator()"
+    # The module alone, not the package (which imports torch): two fast processes.
+    module = Path(__file__).resolve().parents[1] / "src" / "leanformer" / "allocator.py"
+    configure = (
+        "import importlib.util as u; spec = u.spec_from_file_location('allocator', "
+        f"{str(module)!r}); m = u.module_from_spec(spec); spec.loader.exec_module(m); "
+        "m.configure_allocator()"
+    )
 
     def mmapped(code: str) -> int:
         done = subprocess.run(
