@@ -12,6 +12,7 @@ batches images of different sizes. Runs alternate between the two models
 from __future__ import annotations
 
 import copy
+import inspect
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,17 @@ def build_detr_pair(
 
     from leanformer.patch.transformers import apply_enact
 
+    # DetrConfig keeps unknown keyword arguments silently; a typo must not go unnoticed.
+    # ``backbone`` and ``num_labels`` are taken through its **kwargs.
+    known = {
+        *inspect.signature(DetrConfig.__init__).parameters,
+        *DetrConfig().to_dict(),
+        "backbone",
+        "num_labels",
+    }
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"DetrConfig has no field {', '.join(unknown)}")
     torch.manual_seed(seed)
     options = {"backbone": "resnet50", **config}
     detr_config = DetrConfig(
