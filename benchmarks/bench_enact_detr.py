@@ -24,13 +24,9 @@ from typing import Any
 import torch
 
 from leanformer.bench.hf_detr import SCOPES, build_detr_pair, compare_dense_enact, photo_batch
+from leanformer.commands._options import parse_size
 
 BACKBONES = {"R50": False, "DC5": True}  # name -> dilation of the last ResNet stage
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    h, _, w = text.lower().partition("x")
-    return int(h), int(w)
 
 
 def main() -> None:
