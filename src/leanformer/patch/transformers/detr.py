@@ -44,16 +44,8 @@ _CDETR_LAYER, _CDETR_ATTN = cdetr.ConditionalDetrEncoderLayer, cdetr.Conditional
 _HOSTS: dict[type, tuple[bool, type, type]] = {
     detr.DetrModel: (False, detr.DetrEncoderLayer, detr.DetrSelfAttention),
     detr.DetrForObjectDetection: (True, detr.DetrEncoderLayer, detr.DetrSelfAttention),
-    cdetr.ConditionalDetrModel: (
-        False,
-        cdetr.ConditionalDetrEncoderLayer,
-        cdetr.ConditionalDetrSelfAttention,
-    ),
-    cdetr.ConditionalDetrForObjectDetection: (
-        True,
-        cdetr.ConditionalDetrEncoderLayer,
-        cdetr.ConditionalDetrSelfAttention,
-    ),
+    cdetr.ConditionalDetrModel: (False, _CDETR_LAYER, _CDETR_ATTN),
+    cdetr.ConditionalDetrForObjectDetection: (True, _CDETR_LAYER, _CDETR_ATTN),
 }
 _STATE = "_leanformer_enact"  # attribute on the DETR core while the patch is applied
 _SHAPE_KW, _VALID_KW = "enact_spatial_shape", "enact_valid"
