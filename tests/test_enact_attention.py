@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from leanformer.layers.enact_attention import DenseSelfAttention, EntropyClusteredAttention
-from leanformer.ops.regions import RegionPlan, singleton_plan
+from leanformer.ops.regions import RegionPlan
 
 D, HEADS = 16, 4
 
@@ -32,20 +32,22 @@ def make(cls=EntropyClusteredAttention, seed=0, **kw):
     return m
 
 
-class Singletons(EntropyClusteredAttention):
-    def plan(self, entropy, spatial_shape, valid):
-        return singleton_plan(valid if valid is not None else torch.ones_like(entropy, dtype=torch.bool))
-
-
 def test_singleton_regions_equal_dense_attention():
     x, pos, mask, shape = padded_inputs()
     dense = make(DenseSelfAttention)
-    enact = make(Singletons)
+    enact = make(regions="single")
     missing = enact.load_state_dict(dense.state_dict(), strict=False)
     assert set(missing.missing_keys) == {"entropy_proj.weight", "entropy_proj.bias"}
     valid = ~mask
     torch.testing.assert_close(enact(x, pos, shape, mask)[valid], dense(x, pos, shape, mask)[valid])
     torch.testing.assert_close(enact(x, pos, shape), dense(x, pos, shape))
+    # Padded queries attend to the valid keys in both, so the whole output agrees too.
+    torch.testing.assert_close(enact(x, pos, shape, mask), dense(x, pos, shape, mask))
+
+
+def test_regions_option_is_checked():
+    with pytest.raises(ValueError, match="regions must be one of curvature, single"):
+        EntropyClusteredAttention(D, HEADS, regions="chunks")
 
 
 def reference_forward(m: EntropyClusteredAttention, x, pos, shape, mask):

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from leanformer.commands import _hf_detr
 from leanformer.commands._options import (
     add_model_arguments,
     forward_kwargs,
@@ -26,10 +27,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint", help="bench a trained checkpoint (file or run folder) instead of --model"
     )
+    parser.add_argument(
+        "--hf-model",
+        help="a Hugging Face model built offline from its config (random weights): "
+        "detr = DETR-R50 detector, dense vs ENACT side by side",
+    )
     # One input size or the other: an encoder's feature map comes from --feature-size when
     # given, so an --img-size beside it would be reported but unused.
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--img-size", type=int, help="input size (default: the model's)")
+    size.add_argument(
+        "--img-size",
+        type=parse_img_size,
+        help="input size, or HxW for --hf-model detr (default: the model's)",
+    )
     size.add_argument(
         "--feature-size",
         type=parse_size,
@@ -41,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-memory", action="store_true", help="skip the forward activations peak measurement"
     )
+    _hf_detr.add_arguments(parser)
+
+
+def parse_img_size(text: str) -> int | tuple[int, int]:
+    """``"224"`` -> 224; ``"800x1066"`` -> ``(800, 1066)``."""
+    h, w = parse_size(text)
+    return h if "x" not in text.lower() else (h, w)
 
 
 def _int_or_none(size: Any) -> int | None:
@@ -55,6 +72,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.bench.report import bench_model, example_inputs
     from leanformer.models.registry import accepted_options, create_model, model_info
 
+    if _hf_detr.is_requested(args):
+        return _hf_detr.run(args)
+    if args.hf_model is not None:
+        raise ValueError(f"--hf-model: bench knows detr, got {args.hf_model!r}")
+    if isinstance(args.img_size, tuple):
+        raise ValueError("--img-size HxW is for --hf-model detr; give one number for registry models")
     options = model_options(args)
     torch.manual_seed(args.seed)
     refuse_beside_checkpoint(args, "--model")

@@ -10,6 +10,8 @@ padding, as DETR and ``nn.MultiheadAttention``). As in DETR the queries and keys
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -23,7 +25,9 @@ from leanformer.ops.entropy_map import (
     valid_extent,
 )
 from leanformer.ops.region_cluster import region_cluster
-from leanformer.ops.regions import RegionPlan, plan_from_starts, region_starts
+from leanformer.ops.regions import RegionPlan, plan_from_starts, region_starts, singleton_plan
+
+REGION_MODES = ("curvature", "single")
 
 
 def check_inputs(
@@ -66,6 +70,14 @@ class DenseSelfAttention(nn.Module):
         self.d_model = d_model
         self.num_heads = num_heads
         self.dropout = dropout
+        self._init_projections(d_model, bias)
+
+    def _init_projections(self, d_model: int, bias: bool) -> None:
+        """Create the packed q/k/v projection and the output projection.
+
+        A subclass that runs on another model's own projection modules overrides this,
+        :meth:`_proj` and :meth:`_out` (see ``leanformer.patch.transformers``).
+        """
         self.in_proj_weight = nn.Parameter(torch.empty(3 * d_model, d_model))
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * d_model)) if bias else None
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
@@ -79,6 +91,10 @@ class DenseSelfAttention(nn.Module):
         b = self.in_proj_bias[which * C : (which + 1) * C] if self.in_proj_bias is not None else None
         return F.linear(x, self.in_proj_weight[which * C : (which + 1) * C], b)
 
+    def _out(self, x: Tensor) -> Tensor:
+        """Output projection of the merged heads ``[B, N, C]``."""
+        return self.out_proj(x)
+
     def _heads(self, t: Tensor) -> Tensor:
         """``[B, N, C] -> [B, h, N, C/h]``."""
         B, N, _ = t.shape
@@ -91,7 +107,7 @@ class DenseSelfAttention(nn.Module):
         # scaled by 1/sqrt(d_head) before the softmax, inside the fused kernel
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
         B, _, N, _ = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(B, N, self.d_model))
+        return self._out(out.transpose(1, 2).reshape(B, N, self.d_model))
 
     def forward(
         self,
@@ -120,6 +136,11 @@ class EntropyClusteredAttention(DenseSelfAttention):
     clustered) attends to the clusters of map ``b`` only, through fused SDPA with the
     clusters padded to the largest count and masked.
 
+    ``regions="single"`` makes every valid position its own region: the clustering is then
+    the identity and the module computes dense attention through the whole ENACT path
+    (entropy, plan, reduction, masked SDPA), which is how a patched host is checked
+    against its unpatched self. The default ``"curvature"`` is ENACT.
+
     ``cluster_inputs=True`` clusters ``x + pos`` and ``x`` *before* the key/value
     projections (exact, since the weights of a region sum to 1, and the projections then
     run on ``L`` instead of ``HW`` rows); ``False`` projects first, as a check.
@@ -137,9 +158,13 @@ class EntropyClusteredAttention(DenseSelfAttention):
         sigma: float = 3.0,
         bias: bool = True,
         cluster_inputs: bool = True,
+        regions: str = "curvature",
     ) -> None:
+        if regions not in REGION_MODES:
+            raise ValueError(f"regions must be one of {', '.join(REGION_MODES)}, got {regions!r}")
         super().__init__(d_model, num_heads, dropout=dropout, bias=bias)
         self.sigma = check_sigma(sigma)
+        self.regions = regions
         self.cluster_inputs = cluster_inputs
         self.entropy_proj = nn.Linear(d_model, 1)
         self.last_cluster_counts: Tensor | None = None
@@ -152,6 +177,8 @@ class EntropyClusteredAttention(DenseSelfAttention):
     def plan(self, entropy: Tensor, spatial_shape: tuple[int, int], valid: Tensor | None) -> RegionPlan:
         """Entropy ``[B, N]`` -> regions of equal curvature sign (no gradients; one host sync)."""
         B, N = entropy.shape
+        if self.regions == "single":
+            return singleton_plan(valid if valid is not None else torch.ones_like(entropy, dtype=torch.bool))
         H, W = spatial_shape
         valid2d = valid.view(B, H, W) if valid is not None else None
         signs = curvature_signs(entropy.view(B, H, W), sigma=self.sigma, valid=valid2d).view(B, N)
@@ -199,4 +226,17 @@ class EntropyClusteredAttention(DenseSelfAttention):
         return self._attend(self._heads(q), self._heads(k), self._heads(v), key_mask)
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, num_heads={self.num_heads}, sigma={self.sigma}"
+        extra = f", regions={self.regions!r}" if self.regions != "curvature" else ""
+        return f"d_model={self.d_model}, num_heads={self.num_heads}, sigma={self.sigma}{extra}"
+
+
+def layer_cluster_ratios(modules: Iterable[nn.Module]) -> list[float]:
+    """For each :class:`EntropyClusteredAttention` in ``modules`` that has run (others are
+    skipped), the mean over maps of clusters / valid positions in its last call."""
+    out = []
+    for attn in modules:
+        if isinstance(attn, EntropyClusteredAttention) and attn.last_cluster_counts is not None:
+            assert attn.last_valid_counts is not None
+            ratio = attn.last_cluster_counts.double() / attn.last_valid_counts.double()
+            out.append(float(ratio.mean()))
+    return out

@@ -19,7 +19,11 @@ from torch import Tensor, nn
 
 from leanformer.layers.checks import check_positive
 from leanformer.layers.classifier import classifier
-from leanformer.layers.enact_attention import DenseSelfAttention, EntropyClusteredAttention
+from leanformer.layers.enact_attention import (
+    DenseSelfAttention,
+    EntropyClusteredAttention,
+    layer_cluster_ratios,
+)
 from leanformer.layers.patch_embed import to_2tuple
 from leanformer.layers.position_encoding import SinePositionEncoding2d
 from leanformer.models.registry import register
@@ -214,14 +218,7 @@ class DETREncoder(nn.Module):
 
     def cluster_ratios(self) -> list[float]:
         """Per ENACT layer, the mean over maps of clusters / valid positions in the last call."""
-        out = []
-        for layer in self.layers:
-            attn = layer.self_attn
-            if isinstance(attn, EntropyClusteredAttention) and attn.last_cluster_counts is not None:
-                assert attn.last_valid_counts is not None
-                ratio = attn.last_cluster_counts.double() / attn.last_valid_counts.double()
-                out.append(float(ratio.mean()))
-        return out
+        return layer_cluster_ratios(layer.self_attn for layer in self.layers)
 
     def bench_extras(self) -> dict[str, Any]:
         """Fields for ``leanformer bench``: attention kind and mean cluster ratio L/HW of the last call."""
