@@ -4,8 +4,11 @@ Shapes: ``q [B, H, Nq, D]``, ``k, v [B, H, Nk, D]``. Token *sizes* ``[B, Nk]`` s
 many input tokens each key stands for (after pooling or merging); they enter the
 logits as an additive ``log(size)`` bias, so a key of size s counts as s identical
 keys (proportional attention). The bias goes through the fused
-``scaled_dot_product_attention`` kernel as an ``attn_mask`` whenever the explicit
-probabilities are not needed.
+``scaled_dot_product_attention`` kernel as an ``attn_mask``. The attention each key
+received comes from two fused calls (:mod:`leanformer.ops.received`) where the kernel
+exposes its log-sum-exp, so the ``[B, H, Nq, Nk]`` probabilities are never stored;
+only a gradient through the scores, dropout or a mask with a query dimension need the
+explicit probabilities.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from leanformer.ops.received import attention_with_received, fused_received_supported
 
 
 def size_bias(sizes: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -55,12 +60,21 @@ def attention(
 
     ``received`` is the attention each key receives, summed over heads and queries
     (the significance score of PoWER-BERT / Token Pooling). It is computed only when
-    asked; otherwise the fused SDPA kernel runs.
+    asked; otherwise the fused SDPA kernel runs alone.
     """
     mask = combine_masks(size_bias(sizes, q.dtype), attn_mask, q.dtype)
     if not return_received:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale), None
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if fused_received_supported(q, k, v, mask, dropout_p):
+        return attention_with_received(q, k, v, bias=mask, scale=scale)
+    return _explicit_attention(q, k, v, mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+def _explicit_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, dropout_p: float, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Attention through the stored probabilities; the scores keep their autograd graph."""
     logits = (q * scale) @ k.transpose(-2, -1)
     if mask is not None:
         # In place when the mask broadcasts to the logits (the usual case): one [B, H, N, N]
