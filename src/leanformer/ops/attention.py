@@ -4,11 +4,9 @@ Shapes: ``q [B, H, Nq, D]``, ``k, v [B, H, Nk, D]``. Token *sizes* ``[B, Nk]`` s
 many input tokens each key stands for (after pooling or merging); they enter the
 logits as an additive ``log(size)`` bias, so a key of size s counts as s identical
 keys (proportional attention). The bias goes through the fused
-``scaled_dot_product_attention`` kernel as an ``attn_mask``. The attention each key
-received comes from two fused calls (:mod:`leanformer.ops.received`) where the kernel
-exposes its log-sum-exp, so the ``[B, H, Nq, Nk]`` probabilities are never stored;
-only a gradient through the scores, dropout or a mask with a query dimension need the
-explicit probabilities.
+``scaled_dot_product_attention`` kernel as an ``attn_mask``. When the attention each key
+received is asked for, the probabilities are computed a block of queries at a time
+(:mod:`leanformer.ops.received`), so the ``[B, H, Nq, Nk]`` matrix is never whole.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from leanformer.ops.received import attention_with_received, fused_received_supported
+from leanformer.ops.received import blocked_attention_received
 
 
 def size_bias(sizes: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -66,28 +64,7 @@ def attention(
     if not return_received:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale), None
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if fused_received_supported(q, k, v, mask, dropout_p):
-        return attention_with_received(q, k, v, bias=mask, scale=scale)
-    return _explicit_attention(q, k, v, mask=mask, dropout_p=dropout_p, scale=scale)
-
-
-def _explicit_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, mask: Tensor | None, dropout_p: float, scale: float
-) -> tuple[Tensor, Tensor]:
-    """Attention through the stored probabilities; the scores keep their autograd graph."""
-    logits = (q * scale) @ k.transpose(-2, -1)
-    if mask is not None:
-        # In place when the mask broadcasts to the logits (the usual case): one [B, H, N, N]
-        # buffer less (the matmul's backward does not need its output).
-        fits = torch.broadcast_shapes(logits.shape, mask.shape) == logits.shape
-        logits = logits.add_(mask) if fits else logits + mask
-    probs = logits.softmax(dim=-1)
-    # Scores come from the probabilities before dropout: dropout is a training-time
-    # perturbation, not part of what the token "received".
-    received = probs.sum(dim=(1, 2))
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, p=dropout_p)
-    return probs @ v, received
+    return blocked_attention_received(q, k, v, mask=mask, dropout_p=dropout_p, scale=scale)
 
 
 def reference_attention(

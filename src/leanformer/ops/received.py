@@ -1,97 +1,94 @@
-"""Attention received per key without the ``[B, H, Nq, Nk]`` attention matrix.
+"""Attention and the attention each key received, a block of queries at a time.
 
-The score of key ``j`` is ``r_j = sum_h sum_i p_hij`` with
-``p_hij = exp(s_hij + b_hj - lse_hi)``, ``s = q k^T * scale``, ``b`` a per-key logit bias
-(``log(size)``, a key-padding mask) and ``lse_hi`` the log-sum-exp of query ``i``'s row,
-which the fused CPU attention kernel returns next to its output.
+The score of key ``j`` is ``r_j = sum_h sum_i p_hij``, a column sum of the softmax
+probabilities. A softmax row needs only its own query, so the queries split into
+blocks: each block's probabilities ``[B, H, rows, Nk]`` give its rows of the output
+(``p @ v``) and its share of the column sums, then are freed. The result is exactly
+the full computation's (the same products and sums, grouped by rows), while the live
+logits shrink from ``[B, H, Nq, Nk]`` to one block.
 
-Swapping the roles of queries and keys turns the column sum into another fused call:
-with keys as queries, queries as keys and ``-lse`` as an additive mask, the kernel's
-log-sum-exp for "query" ``j`` is ``lse'_hj = log sum_i exp(s_hij - lse_hi)``, so
-``r_j = sum_h exp(lse'_hj + b_hj)``. Both calls stream the logits through the kernel's
-own blocks, so memory stays ``O(B H N)`` (the log-sum-exps) instead of ``O(B H N^2)``,
-and the result is exact up to the kernel's float rounding. The value of the second call
-is never used (the kernel insists on one with the head size of q and k).
+The default block, ``4 * head_dim`` rows, holds as many numbers as the MLP's hidden
+activations (``[B, N, 4 C]``) of a block with the same token count, so scores add no
+quadratic term to a layer's peak memory; up to that many queries it is one block.
+Time and memory against one whole-matrix block: ``benchmarks/bench_high_resolution.py``
+(figures in ``docs/BENCHMARKS.md``).
 
-Shapes: ``q [B, H, Nq, D]``, ``k, v [B, H, Nk, D]``, key bias broadcastable to
-``[B, H, 1, Nk]``.
+Shapes: ``q [B, H, Nq, D]``, ``k, v [B, H, Nk, D]``, ``mask`` additive and broadcastable
+to ``[B, H, Nq, Nk]`` (or beyond it, in its batch).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-_fused_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+def default_block_rows(head_dim: int) -> int:
+    return 4 * head_dim
 
 
-def key_bias_fits(q: Tensor, k: Tensor, bias: Tensor | None) -> bool:
-    """Whether ``bias`` is a per-key logit bias that broadcasts to ``[B, H, 1, Nk]``.
+def _rows_of(mask: Tensor | None, start: int, stop: int, num_queries: int) -> Tensor | None:
+    """The mask for queries ``start:stop`` (a mask without a query dimension serves all)."""
+    if mask is None or mask.dim() < 2 or mask.shape[-2] != num_queries or num_queries == 1:
+        return mask
+    return mask[..., start:stop, :]
 
-    A bias with a query dimension (or a larger batch than q and k) is not one.
+
+def _block(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> tuple[Tensor, Tensor]:
+    """One block of (pre-scaled) queries: ``(out [B, H, rows, D], received share [B, Nk])``.
+
+    A function of its own so the block's logits and probabilities are freed on return,
+    before the next block's are made.
     """
-    if bias is None:
-        return True
-    key_shape = (q.shape[0], q.shape[1], 1, k.shape[2])
-    if bias.dim() > 4:
-        return False
-    try:
-        return torch.broadcast_shapes(bias.shape, key_shape) == key_shape
-    except RuntimeError:
-        return False
+    logits = q @ k_t
+    if mask is not None:
+        # In place when the mask broadcasts to the logits (the usual case): one block
+        # buffer less (the matmul's backward does not need its output).
+        fits = torch.broadcast_shapes(logits.shape, mask.shape) == logits.shape
+        logits = logits.add_(mask) if fits else logits + mask
+    probs = logits.softmax(dim=-1)
+    del logits
+    # Scores come from the probabilities before dropout: dropout is a training-time
+    # perturbation, not part of what the token "received".
+    share = probs.sum(dim=(1, 2))
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return probs @ v, share
 
 
-def fused_received_supported(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, dropout_p: float) -> bool:
-    """Whether :func:`attention_with_received` applies (otherwise use explicit probabilities).
-
-    It needs the CPU fused kernel (the one that exposes the log-sum-exp), no dropout, a
-    per-key bias, and no gradient through the scores: the kernel's log-sum-exp is not
-    differentiable, and training keeps the probabilities for the backward pass anyway.
-    """
-    tensors = (q, k, v) if bias is None else (q, k, v, bias)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return (
-        not needs_grad
-        and dropout_p == 0.0
-        and all(t.device.type == "cpu" for t in tensors)
-        and q.dtype in _KERNEL_DTYPES
-        and all(t.dtype == q.dtype for t in tensors)
-        and q.dim() == k.dim() == v.dim() == 4
-        and q.shape[-1] == k.shape[-1] == v.shape[-1]
-        and key_bias_fits(q, k, bias)
-    )
-
-
-@torch.library.custom_op("leanformer::received_from_lse", mutates_args=())
-def received_from_lse(q: Tensor, k: Tensor, lse: Tensor, key_bias: Tensor | None, scale: float) -> Tensor:
-    """``[B, Nk]`` attention received, from the row log-sum-exps ``lse [B, H, Nq]``.
-
-    ``key_bias`` is 4-D, broadcastable to ``[B, H, 1, Nk]``. An op of its own so that FLOP
-    counts keep the papers' convention (scores are a by-product of attention, not model
-    FLOPs); its cost shows in measured time.
-    """
-    # Keys attend to the queries; -lse normalises each query's row. [B, H, 1, Nq]
-    row_norm = lse.neg().unsqueeze(2).to(q.dtype)
-    _, col_lse = _fused_cpu(k, q, q, attn_mask=row_norm, scale=scale)  # [B, H, Nk]
-    if key_bias is not None:
-        col_lse = col_lse + key_bias.squeeze(2)
-    return col_lse.exp().sum(dim=1).to(q.dtype)
-
-
-@received_from_lse.register_fake
-def _(q: Tensor, k: Tensor, lse: Tensor, key_bias: Tensor | None, scale: float) -> Tensor:
-    return q.new_empty((q.shape[0], k.shape[2]))
-
-
-def attention_with_received(
-    q: Tensor, k: Tensor, v: Tensor, *, bias: Tensor | None, scale: float
+def blocked_attention_received(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None,
+    dropout_p: float,
+    scale: float,
+    block_rows: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Fused attention ``out [B, H, Nq, D]`` and the attention each key received ``[B, Nk]``.
+    """``(out [B, H, Nq, D], received [B, Nk])``, ``block_rows`` queries at a time.
 
-    ``bias``: additive per-key logit bias (see :func:`key_bias_fits`) or None. Callers
-    check :func:`fused_received_supported` first.
+    Differentiable in every input (autograd keeps each block's probabilities).
+    ``block_rows >= Nq`` is the plain computation through the whole matrix.
     """
-    key_bias = None if bias is None else bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
-    out, lse = _fused_cpu(q, k, v, attn_mask=key_bias, scale=scale)
-    return out, received_from_lse(q, k, lse, key_bias, scale)
+    num_queries = q.shape[-2]
+    rows = default_block_rows(q.shape[-1]) if block_rows is None else block_rows
+    if rows < 1:
+        raise ValueError(f"block_rows must be >= 1, got {rows}")
+    q = q * scale
+    k_t = k.transpose(-2, -1)
+    outs: list[Tensor] = []
+    received: Tensor | None = None
+    # A fixed number of blocks, known from the shapes: no host sync, compiles unrolled.
+    for start in range(0, num_queries, rows):
+        stop = min(start + rows, num_queries)
+        out, share = _block(
+            q[..., start:stop, :], k_t, v, _rows_of(mask, start, stop, num_queries), dropout_p
+        )
+        outs.append(out)
+        received = share if received is None else received + share
+    if received is None:
+        raise ValueError("attention with received scores needs at least one query, got 0")
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+    return out, received
