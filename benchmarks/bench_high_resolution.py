@@ -38,8 +38,9 @@ from torch import Tensor, nn
 
 from leanformer.bench.flops import count_gflops
 from leanformer.bench.memory import cpu_peak_mb
-from leanformer.bench.results import write_jsonl
-from leanformer.bench.timing import time_interleaved
+from leanformer.bench.results import markdown_rows, write_jsonl
+from leanformer.bench.speedup import speedup_rows
+from leanformer.bench.timing import CLOCKS, add_clock_argument, time_interleaved
 from leanformer.ops.attention import attention, size_bias
 from leanformer.ops.received import blocked_attention_received
 
@@ -127,23 +128,10 @@ def model_rows(image: int, methods: list[str], args: argparse.Namespace) -> list
     fns = {name: (lambda m=m: m(x)) for name, m in models.items()}
     with torch.inference_mode():
         t = time_interleaved(fns, warmup=1, runs=args.runs, clock=CLOCK)
-    rows = []
-    for name in models:
-        speedup, ratio = t["none"] / t[name], gflops["none"] / gflops[name]
-        rows.append(
-            {
-                "part": "models",
-                "tokens": (image // PATCH) ** 2,
-                "image": image,
-                "name": name,
-                "remove_per_block": 0 if name == "none" else remove,
-                "gflops": gflops[name],
-                "flops_ratio": ratio,
-                "img_per_s": args.batch / t[name],
-                "speedup": speedup,
-                "speedup_over_flops_ratio": speedup / ratio,
-            }
-        )
+    rows = speedup_rows(t, gflops, batch=args.batch)
+    for row in rows:
+        row.update(part="models", tokens=(image // PATCH) ** 2, image=image)
+        row["remove_per_block"] = 0 if row["name"] == "none" else remove
     return rows
 
 
@@ -179,15 +167,6 @@ MODEL_COLS = [
 ]
 
 
-def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
-    def fmt(v: Any) -> str:
-        return f"{v:.3f}" if isinstance(v, float) else str(v)
-
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def _ints(text: str) -> list[int]:
     return [int(t) for t in text.split(",") if t]
 
@@ -203,17 +182,11 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5, help="timed runs of each model")
     p.add_argument("--received-tokens", default="197,577,785")
     p.add_argument("--received-runs", type=int, default=15)
-    p.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall: elapsed time; cpu: this process's CPU time (with one thread, close to the "
-        "quiet-machine wall time on a busy machine)",
-    )
+    add_clock_argument(p)
     p.add_argument("--out", default="runs/bench_high_resolution.jsonl")
     args = p.parse_args()
     global CLOCK
-    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    CLOCK = CLOCKS[args.clock]
     parts = args.parts.split(",")
     unknown = set(parts) - {"received", "models", "memory"}
     if unknown:
@@ -231,7 +204,7 @@ def main() -> None:
         if "received" in parts:
             print(f"\n### attention + received, B=8, H=6, D=64, {threads} thread(s)\n")
             received = [r for n in _ints(args.received_tokens) for r in received_rows(n, args.received_runs)]
-            print(_table(received, ["tokens", "name", "ms", "time_vs_whole", "peak_mb"]), flush=True)
+            print(markdown_rows(received, ["tokens", "name", "ms", "time_vs_whole", "peak_mb"]), flush=True)
             new += received
         if "models" in parts:
             print(
@@ -239,13 +212,13 @@ def main() -> None:
             )
             for image in images:
                 models = model_rows(image, methods, args)
-                print(_table(models, MODEL_COLS), flush=True)
+                print(markdown_rows(models, MODEL_COLS), flush=True)
                 new += models
         rows += [{**r, **meta} for r in new]
     if "memory" in parts:
         memory = bench_memory(max(images), methods, args)
         print(f"\n### forward peak tensor memory, {max(images)}px, batch {args.batch}\n")
-        print(_table(memory, ["tokens", "name", "remove_per_block", "peak_mb", "peak_vs_unpatched"]))
+        print(markdown_rows(memory, ["tokens", "name", "remove_per_block", "peak_mb", "peak_vs_unpatched"]))
         rows += [{**r, "batch": args.batch, "torch": torch.__version__} for r in memory]
     out = write_jsonl(rows, args.out, append=True)
     print(f"\nallocator={env}; wrote {out}")
