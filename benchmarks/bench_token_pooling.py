@@ -36,8 +36,9 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.bench.flops import count_gflops
-from leanformer.bench.results import write_jsonl
-from leanformer.bench.timing import time_interleaved
+from leanformer.bench.results import markdown_rows, write_jsonl
+from leanformer.bench.speedup import speedup_rows
+from leanformer.bench.timing import CLOCKS, add_clock_argument, time_interleaved
 from leanformer.layers.block import Block
 from leanformer.layers.token_pooling import build_reducers, list_methods
 from leanformer.models.registry import create_model
@@ -139,23 +140,9 @@ def _model_rows(part: str, models: dict[str, nn.Module], args: argparse.Namespac
         t = time_interleaved(
             {k: (lambda m=m: m(x)) for k, m in models.items()}, warmup=1, runs=args.model_runs, clock=CLOCK
         )
-    ref = "none"
-    rows = []
-    for name in models:
-        speedup = t[ref] / t[name]
-        ratio = gflops[ref] / gflops[name]
-        rows.append(
-            {
-                "part": part,
-                "name": name,
-                "keep": "all" if name == ref else args.keep,
-                "gflops": gflops[name],
-                "flops_ratio": ratio,
-                "img_per_s": args.model_batch / t[name],
-                "speedup": speedup,
-                "speedup_over_flops_ratio": speedup / ratio,
-            }
-        )
+    rows = speedup_rows(t, gflops, batch=args.model_batch)
+    for row in rows:
+        row.update(part=part, keep="all" if row["name"] == "none" else args.keep)
     return rows
 
 
@@ -188,15 +175,6 @@ def bench_timm(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
-    def fmt(v: Any) -> str:
-        return f"{v:.3f}" if isinstance(v, float) else str(v)
-
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--parts", default="layer,deit_small,timm")
@@ -210,13 +188,7 @@ def main() -> None:
     p.add_argument("--keep", default="deit_s_level3")
     p.add_argument("--model-batch", type=int, default=32)
     p.add_argument("--model-runs", type=int, default=5)
-    p.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall: elapsed time; cpu: this process's CPU time, which on a busy machine stays close to "
-        "the quiet-machine wall time when run with --threads 1",
-    )
+    add_clock_argument(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument(
         "--profile",
@@ -227,7 +199,7 @@ def main() -> None:
     p.add_argument("--out", default="runs/bench_token_pooling.jsonl")
     args = p.parse_args()
     global CLOCK
-    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    CLOCK = CLOCKS[args.clock]
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.profile is not None:
@@ -254,20 +226,20 @@ def main() -> None:
         layer = bench_layer(args)
         rows += layer
         print(f"\n### One pooling layer vs one DeiT-S block (B={args.batch}, N=197, C=384, K=98, 5 iters)\n")
-        print(_table(layer, ["name", "ms", "fraction_of_block"]))
+        print(markdown_rows(layer, ["name", "ms", "fraction_of_block"]))
     cols = ["name", "keep", "gflops", "flops_ratio", "img_per_s", "speedup", "speedup_over_flops_ratio"]
     if "deit_small" in parts:
         deit = bench_deit(args)
         rows += deit
         print(f"\n### deit_small, keep={args.keep}, batch {args.model_batch}\n")
-        print(_table(deit, cols))
+        print(markdown_rows(deit, cols))
     if "timm" in parts:
         tm = bench_timm(args)
         rows += tm
         print(
             f"\n### timm deit_small_patch16_224 via the patch, keep={args.keep}, batch {args.model_batch}\n"
         )
-        print(_table(tm, cols))
+        print(markdown_rows(tm, cols))
     out = write_jsonl([{**r, **meta} for r in rows], args.out, append=True)
     print(f"\nclock={args.clock}, threads={meta['threads']}, allocator={env}; wrote {out}")
 

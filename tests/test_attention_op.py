@@ -50,7 +50,7 @@ def test_fused_kernel_used_unless_scores_requested(monkeypatch: pytest.MonkeyPat
     attention(q, k, v, sizes=torch.ones(2, 7, dtype=torch.float64))
     assert calls == [True]
     attention(q, k, v, return_received=True)
-    assert calls == [True]  # explicit probabilities: no fused call
+    assert calls == [True]  # scores: probabilities a block of queries at a time, no fused call
 
 
 def test_boolean_mask_blocks_keys() -> None:

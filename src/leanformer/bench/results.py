@@ -16,3 +16,14 @@ def write_jsonl(rows: Iterable[dict[str, Any]], path: str | Path, *, append: boo
         for row in rows:
             handle.write(json.dumps(row) + "\n")
     return path
+
+
+def markdown_rows(rows: Iterable[dict[str, Any]], cols: list[str]) -> str:
+    """Rows as a markdown table of the columns ``cols`` (floats with 3 decimals)."""
+
+    def fmt(v: Any) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)

@@ -3,6 +3,7 @@ frequency changes hit all of them alike, and the median of each."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -29,3 +30,17 @@ def time_interleaved(
             fn()
             times[name].append(clock() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def add_clock_argument(parser: argparse.ArgumentParser) -> None:
+    """``--clock wall|cpu`` for a benchmark script; look the choice up in :data:`CLOCKS`."""
+    parser.add_argument(
+        "--clock",
+        choices=tuple(CLOCKS),
+        default="wall",
+        help="wall: elapsed time; cpu: this process's CPU time, which on a busy machine stays close to "
+        "the quiet-machine wall time when run with --threads 1",
+    )

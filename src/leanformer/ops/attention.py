@@ -4,8 +4,9 @@ Shapes: ``q [B, H, Nq, D]``, ``k, v [B, H, Nk, D]``. Token *sizes* ``[B, Nk]`` s
 many input tokens each key stands for (after pooling or merging); they enter the
 logits as an additive ``log(size)`` bias, so a key of size s counts as s identical
 keys (proportional attention). The bias goes through the fused
-``scaled_dot_product_attention`` kernel as an ``attn_mask`` whenever the explicit
-probabilities are not needed.
+``scaled_dot_product_attention`` kernel as an ``attn_mask``. When the attention each key
+received is asked for, the probabilities are computed a block of queries at a time
+(:mod:`leanformer.ops.received`), so the ``[B, H, Nq, Nk]`` matrix is never whole.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from leanformer.ops.received import blocked_attention_received
 
 
 def size_bias(sizes: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -55,25 +58,13 @@ def attention(
 
     ``received`` is the attention each key receives, summed over heads and queries
     (the significance score of PoWER-BERT / Token Pooling). It is computed only when
-    asked; otherwise the fused SDPA kernel runs.
+    asked; otherwise the fused SDPA kernel runs alone.
     """
     mask = combine_masks(size_bias(sizes, q.dtype), attn_mask, q.dtype)
     if not return_received:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale), None
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    logits = (q * scale) @ k.transpose(-2, -1)
-    if mask is not None:
-        # In place when the mask broadcasts to the logits (the usual case): one [B, H, N, N]
-        # buffer less (the matmul's backward does not need its output).
-        fits = torch.broadcast_shapes(logits.shape, mask.shape) == logits.shape
-        logits = logits.add_(mask) if fits else logits + mask
-    probs = logits.softmax(dim=-1)
-    # Scores come from the probabilities before dropout: dropout is a training-time
-    # perturbation, not part of what the token "received".
-    received = probs.sum(dim=(1, 2))
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, p=dropout_p)
-    return probs @ v, received
+    return blocked_attention_received(q, k, v, mask=mask, dropout_p=dropout_p, scale=scale)
 
 
 def reference_attention(
