@@ -210,10 +210,7 @@ def test_objective_never_increases(fn, weighted: bool) -> None:
         None, 7, num_tokens=30, batch=4, mode="random", generator=torch.Generator().manual_seed(0)
     )
     objectives = [
-        clustering_objective(
-            x, fn(x, 7, weights=weights, init=init, max_iters=t), weights
-        )
-        for t in range(7)
+        clustering_objective(x, fn(x, 7, weights=weights, init=init, max_iters=t), weights) for t in range(7)
     ]
     for before, after in itertools.pairwise(objectives):
         assert (after <= before + 1e-9).all()

@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="time torch.compile(model, fullgraph=True); the compile time is reported separately",
+    )
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -71,13 +76,17 @@ def run(args: argparse.Namespace) -> list[dict]:
             warmup=args.warmup,
             runs=args.runs,
             memory=not args.no_memory,
+            compile=args.compile,
         )
     )
     if not args.json:
         mem = row.get("peak_mem_mb")
         mem_text = f", peak memory {mem:.1f} MB" if mem is not None else ""
+        compiled = row["compile_s"]
+        compile_text = f", compiled in {compiled:.1f} s (not in img/s)" if compiled is not None else ""
         print(
             f"{name}: {row['params_m']:.2f}M params, {row['gflops']:.4g} GFLOPs/sample, "
-            f"{row['img_per_s']:.1f} img/s (batch {args.batch_size}, {int(row['threads'])} threads){mem_text}"
+            f"{row['img_per_s']:.1f} img/s (batch {args.batch_size}, {int(row['threads'])} threads)"
+            f"{mem_text}{compile_text}"
         )
     return [row]
