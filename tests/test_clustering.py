@@ -402,3 +402,23 @@ def test_float32_plan_matches_float64_far_from_the_origin(fn) -> None:
         assert torch.equal(single.medoids, exact.medoids)
     else:
         torch.testing.assert_close(single.centers, exact.centers.float(), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("fn", [kmedoids_plan, kmeans_plan])
+def test_stopping_at_the_fixed_point_gives_the_plan_of_every_iteration(fn, monkeypatch) -> None:
+    """Eager CPU runs stop once nothing changes; compiled (and accelerator) runs always do
+    ``max_iters`` iterations. Both must give the same plan, example by example."""
+    from leanformer.ops import clustering
+
+    x, w = _data(b=6, n=40, c=4, seed=11)
+    gen = torch.Generator().manual_seed(2)
+    init = init_centers(None, 12, num_tokens=40, batch=6, mode="random", generator=gen)
+    stopped = [fn(x, 12, weights=w, init=init, max_iters=t) for t in (1, 3, 20)]
+    monkeypatch.setattr(clustering, "_settled", lambda new, old: False)
+    for t, early in zip((1, 3, 20), stopped, strict=True):
+        full = fn(x, 12, weights=w, init=init, max_iters=t)
+        assert torch.equal(early.assign, full.assign)
+        if full.medoids is not None:
+            assert torch.equal(early.medoids, full.medoids)
+        else:
+            assert torch.equal(early.centers, full.centers)
