@@ -51,7 +51,7 @@ def _reducers(num_tokens: int, dim: int, grid: tuple[int, int]) -> list[nn.Modul
         assert reducer is not None
         reducers.append(reducer)
         n = keep
-    return reducers + [None]  # a last block attends with the carried sizes
+    return [*reducers, None]  # a last block attends with the carried sizes
 
 
 def _peaked(model: nn.Module) -> nn.Module:
