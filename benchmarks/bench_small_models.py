@@ -104,7 +104,7 @@ def bench_digits(args: argparse.Namespace) -> list[dict[str, Any]]:
     models: dict[str, nn.Module] = {"none": base}
     extra: dict[str, dict[str, Any]] = {"none": {"method": "none", "keep": "all"}}
     for method in args.methods or DEMO_SWEEP["methods"]:
-        for keep in DEMO_SWEEP["budgets"]:
+        for keep in [DEMO_SWEEP["budgets"][i] for i in args.budgets]:
             name = f"{method} {_label(keep)}"
             model = create_model("deit_digits", pool=method, keep=keep, carry=True)
             model.load_state_dict(base.state_dict())
@@ -208,6 +208,9 @@ def main() -> None:
     p.add_argument(
         "--methods", default=None, help="digits part: comma-separated methods (default: the demo's)"
     )
+    p.add_argument(
+        "--budgets", default="0,1,2,3", help="digits part: which of the demo's four budgets (0 = mildest)"
+    )
     p.add_argument("--deit-batches", default="1,32")
     p.add_argument("--compile", action="store_true", help="also time every candidate compiled")
     p.add_argument("--threads", type=int, default=None)
@@ -217,6 +220,7 @@ def main() -> None:
     args = p.parse_args()
     args.methods = [m for m in args.methods.split(",") if m] if args.methods else None
     args.deit_batches = [int(b) for b in args.deit_batches.split(",")]
+    args.budgets = [int(b) for b in args.budgets.split(",")]
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
