@@ -17,8 +17,8 @@ from leanformer.ops.clustering import (
     kmeans_plan,
     kmedoids_plan,
     pairwise_sq_dists,
+    token_sq_dists,
 )
-from leanformer.ops.medoid_distances import MedoidDistances
 
 # ----------------------------------------------------------------- slow references (loops)
 
@@ -83,11 +83,6 @@ def ref_weighted_means(x: torch.Tensor, a: list[int], w: list[float], k: int) ->
     return torch.stack(out)
 
 
-def _all_sq_dists(x: torch.Tensor) -> torch.Tensor:
-    """Every token-token distance: no initial medoids, so nothing is left unknown."""
-    return MedoidDistances(x, 0).matrix
-
-
 def _data(b: int = 3, n: int = 13, c: int = 5, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, n, c, generator=g, dtype=torch.float64)
@@ -116,18 +111,16 @@ def test_kmedoids_matches_reference(weighted: bool, iters: int, k: int) -> None:
 
 @pytest.mark.parametrize("b", [1, 2])
 def test_kmedoids_matches_reference_for_every_k(b: int) -> None:
-    """Every K from 1 to N, including one non-medoid only (a 1 x 1 block, once refused as
-    overlapping memory for a single example)."""
+    """Every K from 1 to N - 1 (K = N is the identity plan, tested below)."""
     x, w = _data(b=b, n=6, c=3, seed=7)
-    for k in range(1, 7):
+    for k in range(1, 6):
         init = init_centers(w, k, num_tokens=6, batch=b)
-        for check in (True, False):
-            plan = kmedoids_plan(x, k, weights=w, init=init, check_convergence=check)
-            assert plan.medoids is not None
-            for e in range(b):
-                a, med = ref_kmedoids(x[e], k, w[e].tolist(), init[e].tolist(), 5)
-                assert plan.assign[e].tolist() == a
-                assert plan.medoids[e].tolist() == med
+        plan = kmedoids_plan(x, k, weights=w, init=init)
+        assert plan.medoids is not None
+        for e in range(b):
+            a, med = ref_kmedoids(x[e], k, w[e].tolist(), init[e].tolist(), 5)
+            assert plan.assign[e].tolist() == a
+            assert plan.medoids[e].tolist() == med
 
 
 @pytest.mark.parametrize("k", [2, 18, 23])
@@ -147,18 +140,6 @@ def test_kmedoids_matches_reference_when_many_medoids_move(k: int) -> None:
     assert moved > 0
 
 
-def test_distances_on_demand_equal_distances_up_front_in_float32() -> None:
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(6, 70, 24, generator=g)
-    w = torch.rand(6, 70, generator=g) + 0.1
-    init = torch.rand(6, 70, generator=g).topk(30, dim=1).indices
-    lazy = kmedoids_plan(x, 30, weights=w, init=init, max_iters=8, check_convergence=True)
-    eager = kmedoids_plan(x, 30, weights=w, init=init, max_iters=8, check_convergence=False)
-    assert torch.equal(lazy.assign, eager.assign)
-    assert torch.equal(lazy.medoids, eager.medoids)
-    assert not torch.equal(lazy.medoids, init)  # some medoids moved
-
-
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("iters", [0, 1, 5])
 def test_kmeans_matches_reference(weighted: bool, iters: int) -> None:
@@ -175,12 +156,14 @@ def test_kmeans_matches_reference(weighted: bool, iters: int) -> None:
         torch.testing.assert_close(plan.centers[b], centers)
 
 
-def test_convergence_check_does_not_change_result() -> None:
+def test_iterations_past_the_fixed_point_change_nothing() -> None:
+    """The plans run a fixed number of iterations (no early exit): once an example has
+    converged, further iterations must leave it where it is."""
     x, w = _data(b=4, n=20)
     for fn in (kmedoids_plan, kmeans_plan):
-        a = fn(x, 6, weights=w, max_iters=8, check_convergence=True)
-        b = fn(x, 6, weights=w, max_iters=8, check_convergence=False)
-        assert torch.equal(a.assign, b.assign)
+        settled = fn(x, 6, weights=w, max_iters=30)
+        more = fn(x, 6, weights=w, max_iters=60)
+        assert torch.equal(settled.assign, more.assign)
 
 
 def test_batched_equals_per_sample() -> None:
@@ -197,8 +180,8 @@ def test_batched_equals_per_sample() -> None:
 
 @pytest.mark.parametrize("iters", [1, 2, 3, 8])
 def test_examples_that_settle_early_drop_out_without_changing_the_others(iters: int) -> None:
-    """With the convergence check, an example at its fixed point stops iterating while the
-    others go on (up to ``max_iters``): every example's plan is the one it gets alone."""
+    """An example at its fixed point stays put while the others go on iterating (up to
+    ``max_iters``): every example's plan is the one it gets alone."""
     x, w = _data(b=6, n=40, c=4, seed=11)
     gen = torch.Generator().manual_seed(2)
     init = init_centers(None, 12, num_tokens=40, batch=6, mode="random", generator=gen)
@@ -227,10 +210,7 @@ def test_objective_never_increases(fn, weighted: bool) -> None:
         None, 7, num_tokens=30, batch=4, mode="random", generator=torch.Generator().manual_seed(0)
     )
     objectives = [
-        clustering_objective(
-            x, fn(x, 7, weights=weights, init=init, max_iters=t, check_convergence=False), weights
-        )
-        for t in range(7)
+        clustering_objective(x, fn(x, 7, weights=weights, init=init, max_iters=t), weights) for t in range(7)
     ]
     for before, after in itertools.pairwise(objectives):
         assert (after <= before + 1e-9).all()
@@ -273,12 +253,21 @@ def test_empty_kmeans_cluster_returns_its_centre() -> None:
     torch.testing.assert_close(out, torch.tensor([[[5.1 / 3], [99.0]]]))
 
 
-def test_k_equals_n_keeps_every_token() -> None:
-    x, w = _data(b=2, n=8)
-    plan = kmedoids_plan(x, 8, weights=w)
-    assert plan.medoids is not None
-    out = cluster_mean(x, plan, w)
-    torch.testing.assert_close(out, x.gather(1, plan.medoids[..., None].expand(2, 8, x.shape[2])))
+@pytest.mark.parametrize("fn", [kmedoids_plan, kmeans_plan])
+@pytest.mark.parametrize("extra", [0, 3])
+def test_k_at_least_n_is_the_identity_plan(fn, extra: int) -> None:
+    """K = N keeps every token as it is, and K > N asks for no reduction either (as the
+    layers clamp K), whatever the data: here near-duplicate tokens far from the origin,
+    which K-Means once merged, leaving an empty cluster filled with a stale centre."""
+    g = torch.Generator().manual_seed(0)
+    x = 1e3 + torch.randn(2, 8, 4, generator=g)
+    x[:, 5] = x[:, 2] + 1e-4  # a near duplicate of token 2
+    w = torch.rand(2, 8, generator=g) + 0.1
+    plan = fn(x, 8 + extra, weights=w)
+    assert plan.num_clusters == 8
+    assert torch.equal(plan.assign, torch.arange(8).expand(2, 8))
+    torch.testing.assert_close(cluster_mean(x, plan, w), x, rtol=0, atol=0)
+    torch.testing.assert_close(cluster_sizes(None, plan, batch=2, num_tokens=8), torch.ones(2, 8))
 
 
 def test_gradients_reach_every_token() -> None:
@@ -338,7 +327,7 @@ def test_carry_sizes_make_pooling_duplicates_exact() -> None:
 def test_bad_inputs_raise() -> None:
     x, w = _data(b=2, n=6)
     with pytest.raises(ValueError, match="number of clusters"):
-        kmedoids_plan(x, 7)
+        kmedoids_plan(x, 0)
     with pytest.raises(ValueError, match="number of clusters"):
         kmeans_plan(x, 0)
     with pytest.raises(ValueError, match=r"\[B, N, C\]"):
@@ -364,7 +353,7 @@ def test_assignment_ties_go_to_the_first_medoid_in_medoid_order() -> None:
 
     # Token 0 is exactly as far from token 1 as from token 2.
     x = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [-1.0, 0.0]]])
-    d = _all_sq_dists(x)
+    d = token_sq_dists(x)
     assert torch.equal(_assign_to_medoids(d, torch.tensor([[2, 1]])), torch.tensor([[0, 1, 0]]))
     assert torch.equal(_assign_to_medoids(d, torch.tensor([[1, 2]])), torch.tensor([[0, 0, 1]]))
 
@@ -378,15 +367,58 @@ def test_assignment_equals_argmin_over_medoid_columns(dtype: torch.dtype) -> Non
     B, N, K = 2, 600, 300
     x = torch.randn(B, N, 4, generator=g).round().to(dtype)  # integer grid: many exact ties
     medoids = torch.rand(B, N, generator=g).topk(K, dim=1).indices
-    d = _all_sq_dists(x)
+    d = token_sq_dists(x)
     expected = d.gather(2, medoids[:, None, :].expand(B, N, K)).argmin(dim=2)
     expected.scatter_(1, medoids, torch.arange(K).expand(B, K))
     assert torch.equal(_assign_to_medoids(d, medoids), expected)
 
 
 def test_kmedoids_with_float16_tokens_whose_norm_overflows() -> None:
-    """|x|^2 = inf in float16 must not turn the distance diagonal into NaN."""
+    """|x|^2 = inf in float16: distances are taken in float32, so token 2 still finds that
+    it is nearer to token 1 (299^2) than to token 0 (300^2), and nothing turns NaN."""
     x = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [300.0, 0.0], [0.5, 0.0]]]).half()
+    plan = kmedoids_plan(x, 2, init=torch.tensor([[0, 1]]), max_iters=0)
+    assert torch.equal(plan.assign, torch.tensor([[0, 1, 1, 0]]))
     plan = kmedoids_plan(x, 2, init=torch.tensor([[0, 1]]))
-    assert torch.equal(plan.assign, torch.tensor([[0, 1, 0, 0]]))
     assert plan.medoids is not None and int(plan.medoids.max()) < 4
+
+
+@pytest.mark.parametrize("fn", [kmedoids_plan, kmeans_plan])
+def test_float32_plan_matches_float64_far_from_the_origin(fn) -> None:
+    """Well-separated clusters whose centres lie at norm 1e3: |x|^2 ~ 1e6 rounds in float32
+    to about 0.06, more than the distances inside a cluster (~0.1). Distances are taken on
+    centred tokens, so float32 still finds float64's plan."""
+    g = torch.Generator().manual_seed(0)
+    B, K, per, C = 4, 6, 8, 16
+    far = torch.nn.functional.normalize(torch.randn(B, 1, 1, C, generator=g, dtype=torch.float64), dim=-1)
+    centres = 1e3 * far + torch.randn(B, K, 1, C, generator=g, dtype=torch.float64)
+    x = (centres + 0.05 * torch.randn(B, K, per, C, generator=g, dtype=torch.float64)).view(B, K * per, C)
+    w = torch.rand(B, K * per, generator=g, dtype=torch.float64) + 0.5
+    init = torch.randperm(K * per, generator=g)[:K].expand(B, K)
+    exact = fn(x, K, weights=w, init=init)
+    single = fn(x.float(), K, weights=w.float(), init=init)
+    assert torch.equal(single.assign, exact.assign)
+    if exact.medoids is not None:
+        assert torch.equal(single.medoids, exact.medoids)
+    else:
+        torch.testing.assert_close(single.centers, exact.centers.float(), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("fn", [kmedoids_plan, kmeans_plan])
+def test_stopping_at_the_fixed_point_gives_the_plan_of_every_iteration(fn, monkeypatch) -> None:
+    """Eager CPU runs stop once nothing changes; compiled (and accelerator) runs always do
+    ``max_iters`` iterations. Both must give the same plan, example by example."""
+    from leanformer.ops import clustering
+
+    x, w = _data(b=6, n=40, c=4, seed=11)
+    gen = torch.Generator().manual_seed(2)
+    init = init_centers(None, 12, num_tokens=40, batch=6, mode="random", generator=gen)
+    stopped = [fn(x, 12, weights=w, init=init, max_iters=t) for t in (1, 3, 20)]
+    monkeypatch.setattr(clustering, "_settled", lambda new, old: False)
+    for t, early in zip((1, 3, 20), stopped, strict=True):
+        full = fn(x, 12, weights=w, init=init, max_iters=t)
+        assert torch.equal(early.assign, full.assign)
+        if full.medoids is not None:
+            assert torch.equal(early.medoids, full.medoids)
+        else:
+            assert torch.equal(early.centers, full.centers)

@@ -139,3 +139,49 @@ def test_gather_tokens_from_a_prefix_stripped_view() -> None:
     out = gather_tokens(base[:, 1:], idx)
     torch.testing.assert_close(out, torch.stack([base[0, [1, 5]], base[1, [3, 2]]]))
     assert torch.autograd.gradcheck(lambda b: gather_tokens(b[:, 1:], idx), (base,))
+
+
+def test_every_op_keeps_every_token_at_k_equal_n() -> None:
+    """K = N is the identity for every selection and merging op, whatever the data (here
+    exact and near duplicates, which merging would otherwise pair first); merging also
+    accepts K > N as the identity, as the clustering ops and the layers do."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 9, 4, generator=g)
+    x[:, 4] = x[:, 3]
+    x[:, 6] = x[:, 5] + 1e-6
+    scores = torch.rand(3, 9, generator=g)
+    scores[0, 2] = 0.0
+    identity = torch.arange(9).expand(3, 9)
+    assert torch.equal(topk_indices(scores, 9), identity)
+    assert torch.equal(random_indices(3, 9, 9, generator=g), identity)
+    assert torch.equal(random_indices(3, 9, 9, seed=4), identity)
+    assert torch.equal(importance_indices(scores, 9, generator=g), identity)
+    assert torch.equal(importance_indices(scores, 9, seed=4), identity)
+    for k in (9, 10, 100):
+        assert torch.equal(bipartite_merge_plan(x, k), identity)
+
+
+def test_seeded_draws_are_deterministic_and_differ_between_seeds_and_examples() -> None:
+    a = random_indices(4, 50, 10, seed=3)
+    assert torch.equal(a, random_indices(4, 50, 10, seed=3))
+    assert not torch.equal(a, random_indices(4, 50, 10, seed=4))
+    assert len({tuple(row) for row in a.tolist()}) == 4
+    scores = torch.rand(4, 50, generator=torch.Generator().manual_seed(0))
+    b = importance_indices(scores, 10, seed=3)
+    assert torch.equal(b, importance_indices(scores, 10, seed=3))
+    assert not torch.equal(b, importance_indices(scores, 10, seed=4))
+
+
+def test_seeded_noise_is_uniform() -> None:
+    """Counter-based noise: mean 1/2, variance 1/12, every decile near 10%, and no
+    correlation between neighbouring tokens (200k draws: a bad hash fails by far)."""
+    from leanformer.ops.hashed_noise import hashed_uniform
+
+    u = hashed_uniform(400, 500, seed=0)
+    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.005
+    assert abs(float(u.var()) - 1 / 12) < 0.002
+    deciles = torch.histc(u.float(), bins=10, min=0.0, max=1.0) / u.numel()
+    assert ((deciles - 0.1).abs() < 0.005).all()
+    neighbours = torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]))[0, 1]
+    assert abs(float(neighbours)) < 0.01

@@ -63,6 +63,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 0
     device: str = "cpu"
+    compile: bool = False  # eval: run torch.compile(model, fullgraph=True)
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from leanformer.bench.compiled import compile_for_inference
 from leanformer.bench.flops import count_gflops
 from leanformer.bench.memory import peak_memory_mb
 from leanformer.bench.throughput import measure_throughput
@@ -58,14 +59,23 @@ def bench_model(
     warmup: int = 3,
     runs: int = 10,
     memory: bool = True,
+    compile: bool = False,
 ) -> dict[str, Any]:
-    """Params (M), GFLOPs/sample (multiply-adds), img/s, ms/batch, peak memory (MB), extras."""
+    """Params (M), GFLOPs/sample (multiply-adds), img/s, ms/batch, peak memory (MB), extras.
+
+    ``compile``: time (and measure the memory of) ``torch.compile(model, fullgraph=True)``;
+    ``compile_s`` is the first call's duration, left out of the steady-state timings
+    (None when not compiled). FLOPs are counted on the eager model.
+    """
     model.eval()
     kwargs = forward_kwargs or {}
     row: dict[str, Any] = {
         "params_m": count_params(model) / 1e6,
         "gflops": count_gflops(model, inputs, forward_kwargs=kwargs),
+        "compile_s": None,
     }
+    if compile:
+        model, row["compile_s"] = compile_for_inference(model, inputs, forward_kwargs=kwargs)
     row.update(measure_throughput(model, inputs, forward_kwargs=kwargs, warmup=warmup, runs=runs))
     if memory:
         device = inputs[0].device if isinstance(inputs[0], torch.Tensor) else "cpu"

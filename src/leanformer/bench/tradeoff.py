@@ -54,6 +54,7 @@ class SweepConfig:
     throughput_batch_size: int = 32
     throughput_warmup: int = 2
     throughput_runs: int = 5
+    compile: bool = False  # evaluate and time torch.compile(variant, fullgraph=True)
     seed: int = 0
     device: str = "cpu"
 
@@ -318,18 +319,23 @@ def tokens_out(model: nn.Module, x: Tensor) -> int:
 
 
 def measure_point(model: nn.Module, *, loader: Any, batch: Tensor, cfg: SweepConfig) -> dict[str, float]:
+    from leanformer.bench.compiled import compile_for_inference
     from leanformer.bench.flops import count_gflops
     from leanformer.bench.throughput import measure_throughput
     from leanformer.engine.evaluate import evaluate
 
     model.eval()
     row: dict[str, float] = {}
-    metrics = evaluate(model, loader, device=cfg.device)
-    row["top1"], row["loss"], row["n"] = metrics["top1"], metrics["loss"], metrics["n"]
+    # FLOPs and token counts from the eager model; accuracy and speed from what runs.
     row["gflops"] = count_gflops(model, (batch[:4],))
     row["tokens_out"] = tokens_out(model, batch)
+    runner = model
+    if cfg.compile:
+        runner, row["compile_s"] = compile_for_inference(model, (batch,))
+    metrics = evaluate(runner, loader, device=cfg.device)
+    row["top1"], row["loss"], row["n"] = metrics["top1"], metrics["loss"], metrics["n"]
     if cfg.throughput:
-        speed = measure_throughput(model, (batch,), warmup=cfg.throughput_warmup, runs=cfg.throughput_runs)
+        speed = measure_throughput(runner, (batch,), warmup=cfg.throughput_warmup, runs=cfg.throughput_runs)
         row["img_per_s"], row["ms_per_batch"] = speed["img_per_s"], speed["ms_per_batch"]
     return row
 

@@ -51,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-memory", action="store_true", help="skip the forward activations peak measurement"
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="time torch.compile(model, fullgraph=True); the compile time is reported separately",
+    )
     _hf_detr.add_arguments(parser)
 
 
@@ -122,6 +127,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             warmup=args.warmup,
             runs=args.runs,
             memory=not args.no_memory,
+            compile=args.compile,
         )
     )
     if not args.json:
@@ -129,8 +135,11 @@ def run(args: argparse.Namespace) -> list[dict]:
         # Tensor bytes the forward pass allocates above what was live before it, at their
         # peak: weights and the process's own memory are not in it.
         mem_text = f", forward activations peak {mem:.2f} MB" if mem is not None else ""
+        compiled = row["compile_s"]
+        compile_text = f", compiled in {compiled:.1f} s (not in img/s)" if compiled is not None else ""
         print(
             f"{name}: {row['params_m']:.2f}M params, {row['gflops']:.4g} GFLOPs/sample, "
-            f"{row['img_per_s']:.1f} img/s (batch {args.batch_size}, {int(row['threads'])} threads){mem_text}"
+            f"{row['img_per_s']:.1f} img/s (batch {args.batch_size}, {int(row['threads'])} threads)"
+            f"{mem_text}{compile_text}"
         )
     return [row]

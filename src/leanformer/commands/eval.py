@@ -30,6 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default="test", choices=("train", "test"))
     add_model_arguments(parser)
     add_data_arguments(parser)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="evaluate torch.compile(model, fullgraph=True) (config: compile: true)",
+    )
 
 
 def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
@@ -92,6 +97,16 @@ def run(args: argparse.Namespace) -> list[dict]:
             kept.append(counts.detach().float().cpu())
 
     kwargs = forward_kwargs(args, model)
+    compiled = args.compile or cfg.compile
+    if compiled:
+        if "dqs_threshold" in kwargs:
+            raise ValueError(
+                "--compile cannot run dynamic query selection: the number of queries it keeps "
+                "depends on the data, so the graph's shapes do"
+            )
+        from leanformer.bench.compiled import compile_model
+
+        model = compile_model(model)
     metrics = evaluate(
         model,
         eval_loader(dataset, batch_size=args.batch_size or cfg.data.eval_batch_size),
@@ -104,6 +119,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         "model": getattr(model, "leanformer_name", cfg.model),
         "split": args.split,
         **metrics,
+        "compiled": bool(compiled),
     }
     row.update({k: v for k, v in model_options(args).items()})
     row.update(kwargs)

@@ -33,6 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--finetune-epochs", type=int, help="fine-tune every variant this many epochs")
     parser.add_argument("--no-throughput", action="store_true", help="skip the img/s measurement")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="evaluate and time every variant compiled with torch.compile(fullgraph=True) "
+        "(config: compile: true)",
+    )
 
 
 def find_preset(name: str) -> Path:
@@ -57,6 +63,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         overrides["finetune_epochs"] = args.finetune_epochs
     if args.no_throughput:
         overrides["throughput"] = False
+    if args.compile:
+        overrides["compile"] = True
     return overrides
 
 

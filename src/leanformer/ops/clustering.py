@@ -10,10 +10,15 @@ Clustering is split, as in ToMe, into a *plan* and its *application*:
 - :func:`cluster_sizes` sums token sizes per cluster (the "carry" of appendix E).
 
 Shapes: tokens ``x [B, N, C]``, weights ``w [B, N]`` (positive), ``K`` clusters. Every
-step is batched over examples and vectorised over tokens and clusters.
+step is batched over examples and vectorised over tokens and clusters, and runs a fixed
+number of iterations with no host synchronisation, so the plans compile with
+``torch.compile(fullgraph=True)``. A converged example needs no masking: a K-Means or
+K-Medoids state that no longer changes is a fixed point of the next iteration too.
 
 Objective (paper eq. 13): ``sum_i w_i min_j ||x_i - c_j||^2``. Unweighted variants
-use ``w = 1``. K-Medoids keeps ``c_j`` among the tokens (medoid constraint).
+use ``w = 1``. K-Medoids keeps ``c_j`` among the tokens (medoid constraint). ``K >= N``
+is the identity plan (token ``i`` alone in cluster ``i``), whatever the data, as in the
+layers.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from leanformer.ops.medoid_distances import MedoidDistances, medoids_first_order
+from leanformer.ops.hashed_noise import uniform_noise
 from leanformer.ops.segment_sum import flat_rows, row_table, segment_sum
 
 InitMode = Literal["topk", "random"]
@@ -53,14 +58,41 @@ def pairwise_sq_dists(x: Tensor, y: Tensor | None = None) -> Tensor:
     """Squared Euclidean distances ``[B, N, M]`` between ``x [B, N, C]`` and ``y [B, M, C]``.
 
     One batched matrix product (``|x|^2 + |y|^2 - 2 x.y``); clamped at 0 because rounding
-    can make the expansion slightly negative for (near-)identical tokens.
+    can make the expansion slightly negative for (near-)identical tokens. The expansion
+    cancels badly when the tokens sit far from the origin compared with their spread:
+    pass tokens centred per example (:func:`centred`), which leaves distances unchanged.
     """
-    xx = x.pow(2).sum(-1)
-    yy = xx if y is None else y.pow(2).sum(-1)
+    xx = (x * x).sum(-1)
+    yy = xx if y is None else (y * y).sum(-1)
     y = x if y is None else y
     # baddbmm fuses the -2 scale and the |y|^2 term into the one matrix product.
     d = torch.baddbmm(yy[:, None, :], x, y.transpose(1, 2), alpha=-2.0)
     return d.add_(xx[:, :, None]).clamp_min_(0.0)
+
+
+def centred(x: Tensor) -> Tensor:
+    """``x [B, N, C]`` minus each example's mean token, in float32 at least.
+
+    Distances between tokens do not change, but their float32 rounding does: the
+    expansion ``|x|^2 + |y|^2 - 2 x.y`` loses the digits of ``|x - y|^2`` that lie below
+    the rounding of ``|x|^2``. Half-precision tokens are widened, so ``|x|^2`` cannot
+    overflow either.
+    """
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x - x.mean(dim=1, keepdim=True)
+
+
+def token_sq_dists(x: Tensor) -> Tensor:
+    """Squared distances ``[B, N, N]`` between the tokens of ``x [B, N, C]`` (centred).
+
+    Exactly symmetric with a zero diagonal: the two members of an unweighted 2-token
+    cluster then cost exactly the same as each other's medoid, and the tie goes to the
+    lower index as in a per-example reference.
+    """
+    d = pairwise_sq_dists(x)
+    d = torch.minimum(d, d.transpose(1, 2))
+    d.diagonal(dim1=1, dim2=2).zero_()
+    return d
 
 
 def init_centers(
@@ -71,13 +103,15 @@ def init_centers(
     batch: int,
     mode: InitMode = "topk",
     generator: torch.Generator | None = None,
+    seed: int | None = None,
     device: torch.device | None = None,
 ) -> Tensor:
     """Indices ``[B, K]`` of the initial centres.
 
     ``"topk"`` (the paper's default): the K tokens with the highest ``scores [B, N]``
     (significance scores); ties go to the lower index. ``"random"``: K distinct tokens
-    uniformly at random from ``generator`` (appendix B's ablation).
+    uniformly at random from ``generator``, or from counter-based noise when ``seed`` is
+    given (appendix B's ablation; see :mod:`leanformer.ops.hashed_noise`).
     """
     if mode == "topk":
         if scores is None:
@@ -85,7 +119,7 @@ def init_centers(
         return scores.topk(k, dim=1, sorted=True).indices
     if mode == "random":
         device = device if device is not None else (scores.device if scores is not None else None)
-        noise = torch.rand(batch, num_tokens, generator=generator, device=device)
+        noise = uniform_noise(batch, num_tokens, generator=generator, seed=seed, device=device)
         return noise.topk(k, dim=1).indices
     raise ValueError(f"unknown init mode {mode!r}; expected 'topk' or 'random'")
 
@@ -93,8 +127,8 @@ def init_centers(
 def _check(x: Tensor, k: int, weights: Tensor | None) -> None:
     if x.dim() != 3:
         raise ValueError(f"tokens must be [B, N, C], got shape {tuple(x.shape)}")
-    if not 0 < k <= x.shape[1]:
-        raise ValueError(f"number of clusters must be in [1, N={x.shape[1]}], got {k}")
+    if k < 1:
+        raise ValueError(f"number of clusters must be at least 1, got {k}")
     if weights is not None and weights.shape != x.shape[:2]:
         raise ValueError(f"weights must be [B, N] = {tuple(x.shape[:2])}, got {tuple(weights.shape)}")
 
@@ -104,13 +138,14 @@ def _default_init(
 ) -> Tensor:
     """Given ``init [B, K]`` or, by default, the top-K by weight (the first K when unweighted).
 
-    A given ``init`` must hold K distinct token indices per example. That is checked on
-    CPU only: elsewhere reading the verdict back would be a device sync on every call.
+    A given ``init`` must hold K distinct token indices per example. That is checked in
+    eager mode on CPU only: elsewhere reading the verdict back would be a device sync on
+    every call (and a graph break under ``torch.compile``).
     """
     if init is not None:
         if init.shape != (batch, k):
             raise ValueError(f"init must be [B, K] = {(batch, k)}, got {tuple(init.shape)}")
-        if init.device.type == "cpu" and k > 0:
+        if init.device.type == "cpu" and not torch.compiler.is_compiling():
             low, high = torch.aminmax(init)
             if int(low) < 0 or int(high) >= num_tokens:
                 raise ValueError(f"init must hold token indices in [0, N={num_tokens})")
@@ -124,111 +159,72 @@ def _default_init(
     return torch.arange(k, device=device).expand(batch, k)
 
 
-def _first_argmin(values: Tensor, assign: Tensor, k: int, index: Tensor) -> Tensor:
-    """Per cluster, the member with the smallest ``values``; ties go to the lowest ``index``.
+def _settled(new: Tensor, old: Tensor) -> bool:
+    """Whether every example is at its fixed point (``new`` equals ``old``), asked only in
+    eager mode on CPU, where reading the answer costs nothing; elsewhere the iterations
+    run to ``max_iters`` (a device sync or a graph break would cost more than they save).
+    The plan is the same either way: a state that no longer changes is a fixed point."""
+    if new.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    return torch.equal(new, old)
 
-    ``values, assign, index [B, N]`` -> ``[B, K]`` values of ``index`` (every token's
-    own index, which need not be its position). Two segment-min reductions instead of a
-    ``[B, K, N]`` masked matrix. Every cluster must be non-empty.
+
+def _identity_plan(x: Tensor, *, medoids: bool) -> ClusterPlan:
+    """Every token alone in its own cluster, in token order (what ``K >= N`` asks for)."""
+    B, N, _ = x.shape
+    own = torch.arange(N, device=x.device).expand(B, N)
+    if medoids:
+        return ClusterPlan(assign=own, medoids=own, centers=None)
+    return ClusterPlan(assign=own, medoids=None, centers=x.detach())
+
+
+def _weights(x: Tensor, weights: Tensor | None, dtype: torch.dtype) -> Tensor:
+    if weights is None:
+        return torch.ones(x.shape[:2], dtype=dtype, device=x.device)
+    return weights.detach().to(dtype)
+
+
+def _first_argmin(values: Tensor, assign: Tensor, k: int) -> Tensor:
+    """Per cluster, the member token with the smallest ``values``; ties go to the lowest index.
+
+    ``values, assign [B, N]`` -> token indices ``[B, K]``. Two segment-min reductions
+    instead of a ``[B, K, N]`` masked matrix. Every cluster must be non-empty.
     """
     B, N = values.shape
     inf = torch.full((B, k), float("inf"), dtype=values.dtype, device=values.device)
     best = inf.scatter_reduce(1, assign, values, reduce="amin", include_self=True)
+    index = torch.arange(N, device=values.device).expand(B, N)
     candidate = torch.where(values == best.gather(1, assign), index, N)
     init = torch.full((B, k), N, dtype=index.dtype, device=values.device)
     return init.scatter_reduce(1, assign, candidate, reduce="amin", include_self=True)
 
 
-def _nearest_medoid(rows: Tensor) -> Tensor:
-    """``rows [B, K, M]`` (distances from K medoids to M tokens) -> ``[B, M]`` in ``[0, K)``.
+def _assign_to_medoids(dists: Tensor, medoids: Tensor) -> Tensor:
+    """``dists [B, N, N]`` (symmetric), ``medoids [B, K]`` -> ``assign [B, N]`` (eqs. 10/16).
 
-    The nearest medoid of every token, the first in medoid order on ties. Reduces over
-    the medoid axis, which is not the innermost one, so the minimum is vectorised across
-    tokens. ``argmin`` over that axis measured 2x slower than this ``amin`` + "first
-    index reaching it" pass, and 1.5x slower over a column gather.
-    """
-    k = rows.shape[1]
-    best = rows.amin(dim=1, keepdim=True)
-    # 0 where a medoid reaches the minimum, 1 elsewhere; times k plus the medoid's position
-    # makes the smallest key the first minimal medoid. float32 at least: integers stay exact.
-    key_dtype = torch.promote_types(rows.dtype, torch.float32)
-    order = torch.arange(k, dtype=key_dtype, device=rows.device)[None, :, None]
-    key = (rows - best).sign_().to(key_dtype).mul_(k).add_(order)
-    return key.amin(dim=1).long()
-
-
-def _assign_to_medoids(dists: Tensor, medoids: Tensor, examples: Tensor | None = None) -> Tensor:
-    """``dists [B, N, N]`` (exactly symmetric), ``medoids [E, K]`` of ``examples [E]``
-    (all B when None) -> ``assign [E, N]``.
-
-    Nearest medoid (first in medoid order on ties). A medoid always belongs to its own
-    cluster, even when another medoid is an exact duplicate of it: clusters then stay
-    non-empty and every medoid is a member of its cluster. Reads the medoids' *rows*
-    (contiguous copies; equal to their columns by symmetry).
+    Every token goes to its nearest medoid, the first in medoid order on ties; a medoid
+    always belongs to its own cluster, even when another medoid duplicates it, so no
+    cluster is empty. Reads the medoids' rows (their columns, by symmetry).
     """
     B, N, _ = dists.shape
-    E, k = medoids.shape
-    rows = dists.view(B * N, N).index_select(0, flat_rows(medoids, N, examples)).view(E, k, N)
-    assign = _nearest_medoid(rows)
-    return assign.scatter(1, medoids, torch.arange(k, device=medoids.device).expand(E, k))
+    k = medoids.shape[1]
+    # Whole rows by index_select (a gather with an index expanded over N is ~10x slower).
+    to_medoids = dists.view(B * N, N).index_select(0, flat_rows(medoids, N)).view(B, k, N)
+    assign = to_medoids.min(dim=1).indices  # the first minimum
+    return assign.scatter(1, medoids, torch.arange(k, device=medoids.device).expand(B, k))
 
 
-def _some(t: Tensor, examples: Tensor) -> Tensor:
-    """The rows ``examples`` of ``t`` (``t`` itself when that is all of them)."""
-    return t if examples.numel() == t.shape[0] else t.index_select(0, examples)
+def _update_medoids(dists: Tensor, assign: Tensor, w: Tensor, k: int) -> Tensor:
+    """The new medoid of every cluster (eqs. 12/17) -> token indices ``[B, K]``.
 
-
-def _iterate(
-    dists: MedoidDistances,
-    assign: Tensor,
-    medoids: Tensor,
-    w: Tensor,
-    order: Tensor,
-    position: Tensor,
-    *,
-    max_iters: int,
-    check_convergence: bool,
-) -> None:
-    """K-Medoids iterations in medoids-first positions; updates ``assign [B, N]`` and
-    ``medoids [B, K]`` in place.
-
-    Examples are independent. With ``check_convergence`` (CPU), an example whose medoids
-    or clusters no longer change is at its fixed point and drops out: the later
-    iterations run on the others only.
+    ``within[b, j, i] = sum_{i' in cluster j} w_i' d(i', i)`` is the cost of token ``i``
+    as the medoid of cluster ``j``; each cluster takes the member with the least cost of
+    its own cluster. This is the *weighted* sum: eq. 17 prints the unweighted one,
+    which would not decrease the weighted objective (eq. 13).
     """
-    B, k = medoids.shape
-    active = torch.arange(B, device=assign.device)
-    for _ in range(max_iters):
-        a, m = _some(assign, active), _some(medoids, active)
-        # The weighted sum of the rows of a cluster's members is every token's weighted
-        # distance to that cluster: within[e, j, i] = sum_{i' in j} w_i' d(i', i), the
-        # eq. 17 cost of i as the medoid of j. Entries of other clusters are not read
-        # (they may be +inf: see MedoidDistances).
-        everyone = active.numel() == B
-        within = segment_sum(dists.matrix, a, k, _some(w, active), examples=None if everyone else active)
-        cost = within.gather(1, a[:, None, :]).squeeze(1)  # [E, N], for the token's own cluster
-        # Ties go to the lowest token index (not position).
-        new_m = _some(position, active).gather(1, _first_argmin(cost, a, k, index=_some(order, active)))
-        if check_convergence:
-            moved = (new_m != m).any(dim=1).nonzero().squeeze(1)
-            if moved.numel() == 0:
-                return
-            if moved.numel() < active.numel():
-                active, a, m, new_m = active[moved], a[moved], m[moved], new_m[moved]
-            # A demoted medoid gets assigned and may share a cluster with an initial medoid.
-            demoted = torch.zeros_like(dists.known)
-            demoted[active] = torch.zeros_like(a, dtype=torch.bool).scatter_(1, m, new_m != m)
-            dists.reveal(demoted)
-        new_a = _assign_to_medoids(dists.matrix, new_m, active)
-        # The same clusters as before this update: the next update would return these
-        # medoids again, so these examples are at their fixed point (it saves that update).
-        unsettled = (new_a != a).any(dim=1)
-        medoids.index_copy_(0, active, new_m)
-        assign.index_copy_(0, active, new_a)
-        if check_convergence:
-            active = active[unsettled]
-            if active.numel() == 0:
-                return
+    within = segment_sum(dists, assign, k, w)  # [B, K, N]
+    own_cost = within.gather(1, assign[:, None, :]).squeeze(1)  # [B, N]
+    return _first_argmin(own_cost, assign, k)
 
 
 @torch.no_grad()
@@ -239,51 +235,30 @@ def kmedoids_plan(
     weights: Tensor | None = None,
     init: Tensor | None = None,
     max_iters: int = 5,
-    check_convergence: bool = True,
 ) -> ClusterPlan:
-    """(Weighted) K-Medoids on ``x [B, N, C]`` -> :class:`ClusterPlan` with ``K = k``.
+    """(Weighted) K-Medoids on ``x [B, N, C]`` -> :class:`ClusterPlan` with ``K = min(k, N)``.
 
+    Algorithm 1 of the paper, batched: distances between the tokens once, assignment to
+    the initial medoids, then ``max_iters`` times a medoid update and a reassignment.
     ``init [B, K]``: initial medoid indices (see :func:`init_centers`; by default the
-    top-K by ``weights``, or the first K tokens when unweighted). One iteration = medoid
-    update (eqs. 12/17) then reassignment (eqs. 10/16), both read from one token-token
-    matrix (no per-iteration distances); its entries between two initial medoids are
-    computed only once one of them is demoted (:mod:`leanformer.ops.medoid_distances`).
-    The weighted objective (eq. 13) is minimised: the new medoid of a cluster is the
-    member with the smallest *weighted* sum of squared distances to the members (eq. 17
-    prints the unweighted sum, which would not decrease eq. 13). Ties go to the lowest
-    token index.
-
-    ``check_convergence``: stop once the medoids (or the clusters) no longer change, and
-    compute the medoid-to-medoid distances on demand. The result is the same either way
-    (a converged state is a fixed point); both cost device-to-host syncs on
-    accelerators, so the layers only do this on CPU. With it, each example stops at its
-    own fixed point and the later iterations run on the others only.
+    top-K by ``weights``, or the first K tokens when unweighted). Ties go to the lowest
+    token index (medoid update) and to the first medoid in medoid order (assignment).
     """
     _check(x, k, weights)
     B, N, _ = x.shape
-    x = x.detach()
-    w = torch.ones(B, N, dtype=x.dtype, device=x.device) if weights is None else weights.detach().to(x.dtype)
-    init = _default_init(init, weights, k, N, B, x.device)
-    # Work in medoids-first order (see ops/medoid_distances.py): the distances between
-    # initial medoids are computed only for those that get demoted.
-    order = medoids_first_order(init, N)
-    position = torch.empty_like(order).scatter_(1, order, torch.arange(N, device=x.device).expand(B, N))
-    table, step = row_table(x)
-    xs = table.index_select(0, flat_rows(order, step)).view(x.shape)
-    w = w.gather(1, order)
-    # Revealing rows on demand reads a count back to the host, as the convergence test does.
-    dists = MedoidDistances(xs, k, reveal_all=not check_convergence)
-    medoids = torch.arange(k, device=x.device).expand(B, k).contiguous()  # positions in that order
-    # The initial medoids own positions 0..K-1; the others go to the nearest of them.
-    assign = torch.cat([medoids, _nearest_medoid(dists.matrix[:, :k, k:])], dim=1)
-    _iterate(
-        dists, assign, medoids, w, order, position, max_iters=max_iters, check_convergence=check_convergence
-    )
-    return ClusterPlan(
-        assign=torch.empty_like(assign).scatter_(1, order, assign),
-        medoids=order.gather(1, medoids),
-        centers=None,
-    )
+    if k >= N:
+        return _identity_plan(x, medoids=True)
+    medoids = _default_init(init, weights, k, N, B, x.device)
+    dists = token_sq_dists(centred(x.detach()))
+    w = _weights(x, weights, dists.dtype)
+    assign = _assign_to_medoids(dists, medoids)
+    for _ in range(max_iters):
+        new_medoids = _update_medoids(dists, assign, w, k)
+        if _settled(new_medoids, medoids):
+            break
+        medoids = new_medoids
+        assign = _assign_to_medoids(dists, medoids)
+    return ClusterPlan(assign=assign, medoids=medoids, centers=None)
 
 
 def weighted_segment_mean(x: Tensor, w: Tensor, assign: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -299,6 +274,12 @@ def weighted_segment_mean(x: Tensor, w: Tensor, assign: Tensor, k: int) -> tuple
     return total / w_sum.clamp_min(torch.finfo(w.dtype).tiny)[..., None], w_sum
 
 
+def _nearest_center(x: Tensor, centers: Tensor) -> Tensor:
+    """``x [B, N, C]``, ``centers [B, K, C]`` -> the nearest centre of every token ``[B, N]``
+    (the first on ties)."""
+    return pairwise_sq_dists(x, centers).argmin(dim=2)
+
+
 @torch.no_grad()
 def kmeans_plan(
     x: Tensor,
@@ -307,36 +288,35 @@ def kmeans_plan(
     weights: Tensor | None = None,
     init: Tensor | None = None,
     max_iters: int = 5,
-    check_convergence: bool = True,
 ) -> ClusterPlan:
     """(Weighted) K-Means (eqs. 10-11 / 14-15) on ``x [B, N, C]`` -> :class:`ClusterPlan`.
 
-    ``init [B, K]``: indices of the tokens that seed the centres. One iteration = centre
-    update (weighted mean of the members) then reassignment; ``max_iters`` iterations at
-    most. A cluster that loses all its members keeps its previous centre (standard
-    Lloyd); it is then empty in the plan and :func:`cluster_mean` returns that centre.
+    ``init [B, K]``: indices of the tokens that seed the centres; each seed starts in its
+    own cluster, so none starts empty. Then ``max_iters`` times: centre update (weighted
+    mean of the members) and reassignment to the nearest centre. A cluster that loses all
+    its members keeps its previous centre (standard Lloyd); it is then empty in the plan
+    and :func:`cluster_mean` returns that centre. ``K >= N`` is the identity plan.
     """
     _check(x, k, weights)
     B, N, C = x.shape
-    x = x.detach()
-    w = torch.ones(B, N, dtype=x.dtype, device=x.device) if weights is None else weights.detach().to(x.dtype)
-    init = _default_init(init, weights, k, N, B, x.device)
-    table, step = row_table(x)
-    centers = table.index_select(0, flat_rows(init, step)).view(B, k, C)
-    # Seeds own their cluster (as for K-Medoids), so no cluster starts empty.
-    assign = (
-        pairwise_sq_dists(x, centers)
-        .argmin(2)
-        .scatter(1, init, torch.arange(k, device=x.device).expand(B, k))
-    )
+    if k >= N:
+        return _identity_plan(x, medoids=False)
+    seeds = _default_init(init, weights, k, N, B, x.device)
+    xc = centred(x.detach())
+    w = _weights(x, weights, xc.dtype)
+    table, step = row_table(xc)
+    centers = table.index_select(0, flat_rows(seeds, step)).view(B, k, C)
+    assign = _nearest_center(xc, centers).scatter(1, seeds, torch.arange(k, device=x.device).expand(B, k))
     for _ in range(max_iters):
-        means, w_sum = weighted_segment_mean(x, w, assign, k)
+        means, w_sum = weighted_segment_mean(xc, w, assign, k)
         centers = torch.where(w_sum[..., None] > 0, means, centers)
-        new_assign = pairwise_sq_dists(x, centers).argmin(2)
-        if check_convergence and torch.equal(new_assign, assign):
+        new_assign = _nearest_center(xc, centers)
+        if _settled(new_assign, assign):
             break
         assign = new_assign
-    return ClusterPlan(assign=assign, medoids=None, centers=centers)
+    # Back from centred coordinates to the tokens' own.
+    offset = x.detach().to(xc.dtype).mean(dim=1, keepdim=True)
+    return ClusterPlan(assign=assign, medoids=None, centers=(centers + offset).to(x.dtype))
 
 
 def cluster_mean(x: Tensor, plan: ClusterPlan, weights: Tensor | None = None) -> Tensor:

@@ -46,13 +46,14 @@ def _bipartite_round(x: Tensor, r: int) -> Tensor:
 
 @torch.no_grad()
 def bipartite_merge_plan(x: Tensor, k: int, *, sizes: Tensor | None = None) -> Tensor:
-    """Assignment ``[B, N]`` of every token to one of ``k`` merged tokens (``1 <= k <= N``).
+    """Assignment ``[B, N]`` of every token to one of ``min(k, N)`` merged tokens (``k >= 1``).
 
-    ``sizes [B, N]`` weight the means between rounds (ones when None).
+    ``sizes [B, N]`` weight the means between rounds (ones when None). ``k >= N`` merges
+    nothing: the identity assignment.
     """
     B, N, _ = x.shape
-    if not 1 <= k <= N:
-        raise ValueError(f"number of merged tokens must be in [1, N={N}], got {k}")
+    if k < 1:
+        raise ValueError(f"number of merged tokens must be at least 1, got {k}")
     x = x.detach()
     w = torch.ones(B, N, dtype=x.dtype, device=x.device) if sizes is None else sizes.detach().to(x.dtype)
     assign = torch.arange(N, device=x.device).expand(B, N)

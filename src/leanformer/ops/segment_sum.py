@@ -40,11 +40,13 @@ def row_table(x: Tensor) -> tuple[Tensor, int]:
     A view, not a copy, whenever each example's rows are contiguous and the examples
     sit a whole number of rows apart: e.g. ``x[:, 1:]`` of a contiguous tensor, which is
     how a block hands its tokens without the class token to a reducer (``reshape``
-    would copy all of them first). Other layouts are copied.
+    would copy all of them first). Other layouts are copied, and so is everything while
+    ``torch.compile`` traces: inductor miscompiles ``as_strided`` over a view of an
+    intermediate (``benchmarks/repro_inductor_as_strided.py``), and fuses the copy anyway.
     """
     B, N, D = x.shape
-    if x.is_contiguous():
-        return x.view(B * N, D), N
+    if x.is_contiguous() or torch.compiler.is_compiling():
+        return x.reshape(B * N, D), N
     batch_stride, row_stride, col_stride = x.stride()
     if col_stride == 1 and row_stride == D and batch_stride % D == 0 and batch_stride >= N * D:
         step = batch_stride // D

@@ -1,0 +1,69 @@
+"""``--compile`` for bench, eval and the trade-off harness: the compiled model is what runs,
+the compile time is reported apart, and eval refuses what cannot compile (DQS)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from leanformer.bench import compiled as compiled_module
+from leanformer.bench.report import bench_model
+from leanformer.bench.tradeoff import sweep_config_from_dict
+from leanformer.cli import main
+
+
+class Affine(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.scale).flatten(1)
+
+
+def test_bench_model_times_the_compiled_model_and_reports_compile_time(monkeypatch) -> None:
+    calls: list[str] = []
+
+    def fake_compile(model: nn.Module) -> nn.Module:
+        calls.append(type(model).__name__)
+
+        class Recording(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                calls.append("compiled forward")
+                return model(x)
+
+        return Recording()
+
+    monkeypatch.setattr(compiled_module, "compile_model", fake_compile)
+    x = torch.randn(2, 3)
+    eager = bench_model(Affine(), (x,), warmup=0, runs=2, memory=False)
+    assert eager["compile_s"] is None and calls == []
+    row = bench_model(Affine(), (x,), warmup=0, runs=2, memory=False, compile=True)
+    assert calls[0] == "Affine"
+    assert calls.count("compiled forward") == 1 + 2  # the compiling call, then the timed runs
+    assert isinstance(row["compile_s"], float) and row["compile_s"] >= 0
+    assert set(row) == set(eager)
+
+
+def test_compiled_model_runs_fullgraph_and_matches_eager() -> None:
+    torch._dynamo.reset()
+    model, seconds = compiled_module.compile_for_inference(Affine(), (torch.ones(2, 3),))
+    assert seconds > 0
+    with torch.inference_mode():
+        torch.testing.assert_close(model(torch.ones(2, 3)), torch.full((2, 3), 2.0))
+
+
+def test_cli_flags(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    monkeypatch.setattr(compiled_module, "compile_model", lambda model: model)  # eager stand-in
+    argv = ["bench", "--model", "deit_test", "--runs", "1", "--warmup", "0", "--no-memory", "--json"]
+    assert main([*argv, "--compile"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert isinstance(row["compile_s"], float)
+    assert sweep_config_from_dict({"model": "deit_test", "budgets": [0.5], "compile": True}).compile is True
+    for command in ("bench", "eval", "tradeoff"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--compile" in capsys.readouterr().out

@@ -1,0 +1,104 @@
+"""Every token reducer compiles with ``torch.compile(fullgraph=True)`` in eval mode and gives
+the eager result, in our DeiT and through the timm patch.
+
+``fullgraph=True`` fails on any host synchronisation (``.item()``, a Python branch on a
+tensor value, a value-dependent shape) and on objects created mid-forward (a
+``torch.Generator``), so compiling is the check that a forward is ready for accelerators.
+Outputs are compared too: a compiled model that runs can still be wrong (inductor once
+read the wrong rows through ``as_strided``, see ``benchmarks/repro_inductor_as_strided.py``).
+
+One model holds every method, one per block (conv first: it needs the token grid), so
+one compilation covers them all; inductor compiles a C++ kernel per fused operation,
+which is what takes the time. Weights are drawn at std 0.3: attention is peaked, so
+top-K choices and cluster assignments have no near-ties that rounding could flip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+from leanformer.layers.token_pooling import build_reducers, list_methods
+from leanformer.models.registry import create_model
+from leanformer.patch.timm import apply_reducers
+
+CLUSTERING = ("kmeans", "kmedoids", "wkmeans", "wkmedoids")
+# conv halves the 8x8 grid to 4x4; every other method then removes one or two tokens.
+SCHEDULE = (
+    "conv",
+    "kmeans",
+    "kmedoids",
+    "wkmeans",
+    "wkmedoids",
+    "powerbert",
+    "random",
+    "importance",
+    "merge",
+)
+
+
+def _reducers(
+    methods: tuple[str, ...], num_tokens: int, dim: int, grid: tuple[int, int]
+) -> list[nn.Module | None]:
+    reducers: list[nn.Module | None] = []
+    n = num_tokens
+    for method in methods:
+        keep = n // 4 if method == "conv" else n - (2 if method in CLUSTERING else 1)
+        options = {"max_iters": 2} if method in CLUSTERING else {}
+        (reducer,) = build_reducers(
+            method=method, keep=[keep], depth=1, num_tokens=n, dim=dim, grid_size=grid, carry=True, **options
+        )
+        assert reducer is not None
+        reducers.append(reducer)
+        n = keep
+    return [*reducers, None]  # a last block attends with the carried sizes
+
+
+def _peaked(model: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def _compare(model: nn.Module, x: torch.Tensor) -> None:
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, fullgraph=True)(x)
+    assert torch.isfinite(eager).all()
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
+
+
+def test_schedule_covers_every_method() -> None:
+    assert set(SCHEDULE) == set(list_methods()) - {"none"}
+
+
+@pytest.mark.slow
+def test_every_method_compiles_fullgraph_and_matches_eager_in_our_deit() -> None:
+    model = create_model("deit_test", depth=len(SCHEDULE) + 1, img_size=32)
+    for block, reducer in zip(model.blocks, _reducers(SCHEDULE, 64, 32, (8, 8)), strict=True):
+        block.set_reducer(reducer)
+    _compare(_peaked(model), torch.randn(3, 3, 32, 32))
+
+
+@pytest.mark.slow
+def test_reducers_compile_fullgraph_and_match_eager_through_the_timm_patch() -> None:
+    """The host's own block forward around our reducers: merge (which once returned NaN
+    compiled here), a clustering and a selection method."""
+    methods = ("merge", "wkmedoids", "powerbert")
+    model = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        depth=len(methods) + 1,
+        img_size=64,
+        patch_size=8,
+        embed_dim=48,
+        num_heads=3,
+        num_classes=5,
+    )
+    apply_reducers(model, _reducers(methods, 64, 48, (8, 8)))
+    _compare(_peaked(model), torch.randn(3, 3, 64, 64))
