@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from timm.layers import DropPath, LayerScale, Mlp
 from torch import Tensor, nn
 
 from leanformer.layers.attention import Attention
-from leanformer.layers.reducer import TokenReducer, reduce_tokens
+from leanformer.layers.reducer import ReducePosition, TokenReducer, reduce_tokens
 from leanformer.ops.ragged import RaggedBatch
 
-ReducePosition = Literal["attn", "mlp"]
+__all__ = ["Block", "ReducePosition"]
 
 
 class Block(nn.Module):

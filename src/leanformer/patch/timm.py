@@ -1,19 +1,18 @@
-"""Token Pooling for pretrained timm ViT / DeiT models, without copying timm's code.
+"""timm vision transformers as hosts of token reductions, without copying timm's code.
 
-``apply_token_pooling(model, keep=..., method=...)`` swaps ``model.blocks`` (an
-``nn.Sequential``) for a :class:`PooledBlocks` container holding the *same* block
-modules, so the state dict keys, the weights and timm's own ``forward_features``
-(patch embedding, position embedding, class/distillation/register tokens, final norm)
-are untouched. Each block is run from its own submodules — ``norm1``, ``attn.qkv``,
-``attn.q_norm``/``k_norm``, ``attn.norm``, ``attn.proj``, ``ls1``, ``drop_path1``,
-``norm2``, ``mlp``, ``ls2``, ``drop_path2`` — with two additions: the attention takes
-the token sizes (``log(size)`` logit bias through the fused SDPA kernel) and can report
-the attention each token received, and a reducer sits between the attention and the
-MLP. ``remove_token_pooling(model)`` restores a plain ``nn.Sequential``.
-
-The patch checks what it relies on (class types whose ``forward`` it knows, attribute
-names, class-token pooling) and refuses anything else with an error naming the
-installed timm version, instead of silently computing something different.
+Supported: ``timm.models.vision_transformer.VisionTransformer`` in its pre-norm forms:
+class token or none (``class_token=False``), ``global_pool`` ``'token'``, ``'avg'``,
+``'avgmax'``, ``'max'`` or ``''``, a MAP head (``global_pool='map'``, ``attn_pool``),
+register and distillation tokens, ``dynamic_img_size``, LayerScale, q/k norm and the
+scaled-norm attention. Each block runs from its own submodules (``norm1``,
+``attn.qkv``, ``attn.q_norm``/``k_norm``, ``attn.norm``, ``attn.proj``, ``ls1``,
+``drop_path1``, ``norm2``, ``mlp``, ``ls2``, ``drop_path2``) through
+:mod:`leanformer.patch.host`; the attention goes through
+:func:`leanformer.ops.attention.attention` with the ``log(size)`` key bias. With sizes
+tracked (``carry=True``), an average pool weighs every token by its size, and the MAP
+head's attention gets the same ``log(size)`` bias, so both still summarise the
+original tokens. Parallel blocks, post-norm blocks, RoPE and Eva models are refused
+with an error naming the installed timm version.
 """
 
 from __future__ import annotations
@@ -28,141 +27,181 @@ from timm.models.vision_transformer import Block as TimmBlock
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
-from leanformer.layers.block import ReducePosition
-from leanformer.layers.reducer import TokenReducer, reduce_tokens
-from leanformer.ops.attention import attention
+from leanformer.layers.reducer import ReducePosition
+from leanformer.ops.attention import attention, size_bias
+from leanformer.patch.host import (
+    BlockParts,
+    HostAdapter,
+    Override,
+    UnsupportedHostError,
+    check_unpatched,
+    install,
+    patch_host,
+    unpatch_host,
+)
+from leanformer.patch.state import TokenPooling
 
 __all__ = [
-    "PooledBlocks",
-    "TimmTokenPooling",
+    "adapt",
     "apply_reducers",
     "apply_token_pooling",
+    "create_timm_model",
     "is_patched",
     "remove_token_pooling",
+    "timm_input_size",
 ]
 
+LIBRARY = f"timm {timm.__version__}"
 _BLOCK_PARTS = ("norm1", "attn", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2")
 _ATTN_PARTS = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "proj", "proj_drop", "num_heads", "head_dim")
+_POOLS = ("token", "avg", "avgmax", "max", "", "map")
 
 
-def _unsupported(msg: str) -> ValueError:
-    return ValueError(f"token pooling cannot patch this model (timm {timm.__version__}): {msg}")
+def _unsupported(msg: str) -> UnsupportedHostError:
+    return UnsupportedHostError(f"token pooling cannot patch this model ({LIBRARY}): {msg}")
 
 
-class TimmTokenPooling(nn.Module):
-    """What the patch adds to a timm model: one reducer (or none) per block.
-
-    Registered on the model as ``model.token_pooling`` so parametric reducers (``conv``)
-    are trained, saved and moved with the model.
-    """
-
-    def __init__(
-        self,
-        reducers: Sequence[nn.Module | None],
-        *,
-        num_prefix: int,
-        reduce_at: ReducePosition = "attn",
-        config: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__()
-        if reduce_at not in ("attn", "mlp"):
-            raise ValueError(f"reduce_at must be 'attn' or 'mlp', got {reduce_at!r}")
-        for i, r in enumerate(reducers):
-            if r is not None and not isinstance(r, TokenReducer):
-                raise TypeError(f"reducer for block {i} ({type(r).__name__}) is not a TokenReducer")
-        # ModuleDict keys must be strings; blocks without a reducer have no entry.
-        self.reducers = nn.ModuleDict({str(i): r for i, r in enumerate(reducers) if r is not None})
-        self.depth = len(reducers)
-        self.num_prefix = num_prefix
-        self.reduce_at: ReducePosition = reduce_at
-        self.config = dict(config or {})
-
-    def reducer(self, index: int) -> nn.Module | None:
-        key = str(index)
-        if key not in self.reducers:
-            return None
-        return self.reducers[key]
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.config.items())
-
-
-def _attention_forward(
-    attn: nn.Module, x: Tensor, sizes: Tensor | None, need_received: bool
-) -> tuple[Tensor, Tensor | None]:
+def _attention(attn: nn.Module) -> Any:
     """timm ``Attention`` from its own submodules, with sizes and received scores.
 
     ``x [B, N, C]``, ``sizes [B, N] | None`` -> ``(out [B, N, C], received [B, N] | None)``.
     """
-    B, N, _ = x.shape
-    heads, head_dim = attn.num_heads, attn.head_dim
-    gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
-    qkv = attn.qkv(x).reshape(B, N, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
-    q, k, v = qkv.unbind(0)
-    q, k = attn.q_norm(q), attn.k_norm(k)
-    out, received = attention(
-        q,
-        k,
-        v,
-        sizes=sizes,
-        dropout_p=attn.attn_drop.p if attn.training else 0.0,
-        return_received=need_received,
-        scale=attn.scale,
+
+    def run(x: Tensor, sizes: Tensor | None, need_received: bool) -> tuple[Tensor, Tensor | None]:
+        B, N, _ = x.shape
+        heads, head_dim = attn.num_heads, attn.head_dim
+        gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
+        qkv = attn.qkv(x).reshape(B, N, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        out, received = attention(
+            q,
+            k,
+            v,
+            sizes=sizes,
+            dropout_p=attn.attn_drop.p if attn.training else 0.0,
+            return_received=need_received,
+            scale=attn.scale,
+        )
+        out = attn.norm(out.transpose(1, 2).reshape(B, N, heads * head_dim))
+        if gate is not None:
+            out = out * gate
+        return attn.proj_drop(attn.proj(out)), received
+
+    return run
+
+
+def _parts(blk: nn.Module) -> BlockParts:
+    return BlockParts(
+        norm1=blk.norm1,
+        attention=_attention(blk.attn),
+        attn_post=(blk.ls1, blk.drop_path1),
+        norm2=blk.norm2,
+        mlp=blk.mlp,
+        mlp_post=(blk.ls2, blk.drop_path2),
     )
-    out = attn.norm(out.transpose(1, 2).reshape(B, N, heads * head_dim))
-    if gate is not None:
-        out = out * gate
-    return attn.proj_drop(attn.proj(out)), received
 
 
-def _block_forward(
-    blk: nn.Module,
-    x: Tensor,
-    sizes: Tensor | None,
-    reducer: nn.Module | None,
-    num_prefix: int,
-    reduce_at: ReducePosition,
-) -> tuple[Tensor, Tensor | None]:
-    """timm ``Block`` (pre-norm, LayerScale, drop-path) with a reducer after its attention.
-
-    ``x [B, N, C]`` -> ``(x [B, N', C], sizes [B, N'] | None)``.
-    """
-    need_received = reducer is not None and bool(getattr(reducer, "needs_received", False))
-    attn_out, received = _attention_forward(blk.attn, blk.norm1(x), sizes, need_received)
-    x = x + blk.drop_path1(blk.ls1(attn_out))
-    if reducer is not None and reduce_at == "attn":
-        x, sizes = reduce_tokens(reducer, x, sizes, received, num_prefix)
-    x = x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
-    if reducer is not None and reduce_at == "mlp":
-        x, sizes = reduce_tokens(reducer, x, sizes, received, num_prefix)
-    return x, sizes
+def _check_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    mask = args[0] if args else kwargs.get("attn_mask")
+    causal = args[1] if len(args) > 1 else kwargs.get("is_causal", False)
+    if mask is not None or causal:
+        raise ValueError(
+            f"a token-pooled model cannot take an attention mask or causal attention ({LIBRARY}): "
+            "the mask would no longer match the pooled tokens"
+        )
 
 
-class PooledBlocks(nn.Sequential):
-    """Drop-in replacement for ``model.blocks``: same children (same state-dict keys).
+def weighted_token_mean(tokens: Tensor, sizes: Tensor) -> Tensor:
+    """``tokens [B, N, C]``, ``sizes [B, N]`` -> ``[B, C]``: each token counted ``size`` times."""
+    w = sizes.to(tokens.dtype)[..., None]
+    return (tokens * w).sum(1) / w.sum(1)
 
-    ``forward(x [B, N, C]) -> [B, N', C]`` threads the token sizes from block to block,
-    which a plain ``nn.Sequential`` of timm blocks cannot do.
+
+class _SizedPool:
+    """``model.pool`` of a patched timm ViT: timm's pooling, with tokens weighed by size.
+
+    Without tracked sizes (``carry=False``) or for class-token pooling it is timm's own.
     """
 
-    def __init__(self, blocks: nn.Sequential, pooling: TimmTokenPooling) -> None:
-        super().__init__(*blocks)
-        # Not a child module: the pooling state is registered on the model itself, and
-        # registering it here too would make it show up as an extra "block".
-        self.__dict__["_pooling"] = pooling
+    def __init__(self, model: VisionTransformer, pooling: TokenPooling) -> None:
+        self.model = model
+        self.pooling = pooling
 
-    @property
-    def pooling(self) -> TimmTokenPooling:
-        return self.__dict__["_pooling"]
-
-    def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
-        pooling = self.pooling
-        sizes: Tensor | None = None
-        for i, blk in enumerate(self):
-            x, sizes = _block_forward(
-                blk, x, sizes, pooling.reducer(i), pooling.num_prefix, pooling.reduce_at
+    def __call__(self, x: Tensor, pool_type: str | None = None) -> Tensor:
+        model, sizes = self.model, self.pooling.sizes
+        pool_type = model.global_pool if pool_type is None else pool_type
+        sized = model.attn_pool is not None or pool_type in ("avg", "avgmax")
+        if sizes is None or not sized:
+            return VisionTransformer.pool(model, x, pool_type)
+        if sizes.shape != x.shape[:2]:
+            raise ValueError(
+                f"pooled features {tuple(x.shape)} do not come from the latest forward "
+                f"(sizes {tuple(sizes.shape)}): run forward_features and forward_head together"
             )
-        return x
+        start = 0 if model.pool_include_prefix else model.num_prefix_tokens
+        tokens, sizes = x[:, start:], sizes[:, start:]
+        if model.attn_pool is not None:
+            # The MAP head's attention counts a key of size s as s identical keys.
+            return model.attn_pool(tokens, attn_mask=size_bias(sizes, tokens.dtype))
+        mean = weighted_token_mean(tokens, sizes)
+        return mean if pool_type == "avg" else 0.5 * (tokens.amax(dim=1) + mean)
+
+
+def _pool_overrides(model: VisionTransformer) -> Any:
+    def overrides(pooling: TokenPooling) -> list[Override]:
+        return [(model, "pool", _SizedPool(model, pooling))]
+
+    return overrides
+
+
+def _check_supported(model: nn.Module) -> None:
+    """Raise naming the timm version for anything the adapter does not know."""
+    if not isinstance(model, VisionTransformer):
+        raise _unsupported(
+            f"{type(model).__name__} is not a timm VisionTransformer (ViT / DeiT / distilled DeiT)"
+        )
+    if type(model).pool is not VisionTransformer.pool:
+        raise _unsupported(f"{type(model).__name__} overrides VisionTransformer.pool")
+    if model.global_pool not in _POOLS:
+        raise _unsupported(f"global_pool={model.global_pool!r} is not one of {', '.join(map(repr, _POOLS))}")
+    if getattr(model, "grad_checkpointing", False):
+        raise _unsupported("gradient checkpointing re-runs blocks out of order; disable it before patching")
+    if not isinstance(model.blocks, nn.Sequential):
+        raise _unsupported(f"model.blocks is a {type(model.blocks).__name__}, expected nn.Sequential")
+    for i, blk in enumerate(model.blocks):
+        # Compare forward functions, not classes: a subclass that keeps timm's forward
+        # computes the same thing, one that overrides it may not.
+        if not isinstance(blk, TimmBlock) or type(blk).forward is not TimmBlock.forward:
+            raise _unsupported(f"block {i} is a {type(blk).__name__}, expected timm's pre-norm Block")
+        missing = [p for p in _BLOCK_PARTS if not hasattr(blk, p)]
+        if missing:
+            raise _unsupported(f"block {i} lacks {', '.join(missing)}")
+        attn = blk.attn
+        if not isinstance(attn, TimmAttention) or type(attn).forward is not TimmAttention.forward:
+            raise _unsupported(f"block {i} attention is a {type(attn).__name__}, expected timm's Attention")
+        missing = [p for p in _ATTN_PARTS if not hasattr(attn, p)]
+        if missing:
+            raise _unsupported(f"block {i} attention lacks {', '.join(missing)}")
+
+
+def adapt(model: nn.Module) -> HostAdapter:
+    """The host adapter of a timm ``VisionTransformer`` (raises for anything else)."""
+    _check_supported(model)
+    assert isinstance(model, VisionTransformer)
+    grid = tuple(int(g) for g in model.patch_embed.grid_size)
+    return HostAdapter(
+        library=LIBRARY,
+        owner=model,
+        blocks=list(model.blocks),
+        parts=_parts,
+        num_prefix=int(model.num_prefix_tokens),
+        num_tokens=int(model.patch_embed.num_patches),
+        grid_size=(grid[0], grid[1]),
+        dim=int(model.embed_dim),
+        check_call=_check_call,
+        pool_overrides=_pool_overrides(model),
+    )
 
 
 def create_timm_model(name: str, **kwargs: Any) -> nn.Module:
@@ -202,67 +241,31 @@ def timm_input_size(name: str) -> int | None:
     return int(size[-1]) if size else None
 
 
-def _check_supported(model: nn.Module) -> None:
-    """Raise a ValueError naming the timm version for anything the patch does not know."""
-    if isinstance(getattr(model, "blocks", None), PooledBlocks) or hasattr(model, "token_pooling"):
-        raise ValueError(
-            f"token pooling is already applied to this model (timm {timm.__version__}); "
-            "call remove_token_pooling(model) before patching it again"
-        )
-    if not isinstance(model, VisionTransformer):
-        raise _unsupported(
-            f"{type(model).__name__} is not a timm VisionTransformer (ViT / DeiT / distilled DeiT)"
-        )
-    if type(model.blocks) is not nn.Sequential:
-        raise _unsupported(f"model.blocks is a {type(model.blocks).__name__}, expected nn.Sequential")
-    if model.cls_token is None or model.global_pool != "token" or model.attn_pool is not None:
-        raise _unsupported(
-            f"only class-token models are supported (global_pool={model.global_pool!r}); pooled tokens "
-            "would be averaged without their sizes"
-        )
-    if getattr(model, "grad_checkpointing", False):
-        raise _unsupported("gradient checkpointing runs the blocks one by one; disable it before patching")
-    for i, blk in enumerate(model.blocks):
-        # Compare forward functions, not classes: a subclass that keeps timm's forward
-        # computes the same thing, one that overrides it may not.
-        if not isinstance(blk, TimmBlock) or type(blk).forward is not TimmBlock.forward:
-            raise _unsupported(f"block {i} is a {type(blk).__name__}, expected timm's pre-norm Block")
-        missing = [p for p in _BLOCK_PARTS if not hasattr(blk, p)]
-        if missing:
-            raise _unsupported(f"block {i} lacks {', '.join(missing)}")
-        attn = blk.attn
-        if not isinstance(attn, TimmAttention) or type(attn).forward is not TimmAttention.forward:
-            raise _unsupported(f"block {i} attention is a {type(attn).__name__}, expected timm's Attention")
-        missing = [p for p in _ATTN_PARTS if not hasattr(attn, p)]
-        if missing:
-            raise _unsupported(f"block {i} attention lacks {', '.join(missing)}")
-
-
 def apply_reducers(
     model: nn.Module,
     reducers: Sequence[nn.Module | None],
     *,
     reduce_at: ReducePosition = "attn",
-    config: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Install one reducer (or None) per block of a timm ViT, in place; returns the model.
 
     The low-level form of :func:`apply_token_pooling` for reducers built by hand (any
-    object following :class:`leanformer.layers.reducer.TokenReducer`).
+    object following :class:`leanformer.layers.reducer.TokenReducer`); their budget
+    cannot be changed through ``model.token_pooling.keep``.
     """
-    _check_supported(model)
-    depth = len(model.blocks)
-    if len(reducers) != depth:
-        raise ValueError(f"got {len(reducers)} reducers for a model with {depth} blocks")
-    pooling = TimmTokenPooling(
-        reducers, num_prefix=int(model.num_prefix_tokens), reduce_at=reduce_at, config=config
+    host = adapt(model)
+    check_unpatched(host)
+    if len(reducers) != len(host.blocks):
+        raise ValueError(f"got {len(reducers)} reducers for a model with {len(host.blocks)} blocks")
+    pooling = TokenPooling(
+        reducers,
+        num_prefix=host.num_prefix,
+        num_tokens=host.num_tokens,
+        dim=host.dim,
+        grid_size=host.grid_size,
+        reduce_at=reduce_at,
     )
-    ref = next(model.parameters(), None)
-    if ref is not None:
-        pooling.to(device=ref.device)
-    model.token_pooling = pooling
-    model.blocks = PooledBlocks(model.blocks, pooling)
-    return model
+    return patch_host(host, pooling)
 
 
 def apply_token_pooling(
@@ -274,40 +277,19 @@ def apply_token_pooling(
     reduce_at: ReducePosition = "attn",
     **options: Any,
 ) -> nn.Module:
-    """Insert Token Pooling into a timm ViT / DeiT in place (no training needed); returns it.
+    """Insert a token reduction into a timm ViT / DeiT in place (no training needed); returns it.
 
-    ``keep``: per-layer maxima (a list of one int per block), a keep ratio, or a named
-    schedule (e.g. ``"deit_s_level3"``), as in :func:`leanformer.layers.token_pooling.build_reducers`.
-    ``carry``: track token sizes and weigh keys by them in later attention.
-    Class, distillation and register tokens (timm's ``num_prefix_tokens``) are never pooled.
+    See :func:`leanformer.patch.apply_token_pooling`, which also takes Hugging Face models.
     """
-    _check_supported(model)
-    from leanformer.layers.token_pooling import build_reducers
-
-    grid = tuple(int(g) for g in model.patch_embed.grid_size)
-    reducers = build_reducers(
-        method=method,
-        keep=keep,
-        depth=len(model.blocks),
-        num_tokens=int(model.patch_embed.num_patches),
-        dim=int(model.embed_dim),
-        grid_size=(grid[0], grid[1]),
-        carry=carry,
-        **options,
-    )
-    config = {"method": method, "keep": keep, "carry": carry, "reduce_at": reduce_at, **options}
-    return apply_reducers(model, reducers, reduce_at=reduce_at, config=config)
+    return install(adapt(model), keep=keep, method=method, carry=carry, reduce_at=reduce_at, **options)
 
 
 def remove_token_pooling(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply_token_pooling`: plain ``nn.Sequential`` blocks, no reducers."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, PooledBlocks):
-        raise ValueError(f"this model has no token pooling to remove (timm {timm.__version__})")
-    model.blocks = nn.Sequential(*blocks)
-    del model.token_pooling
-    return model
+    """Undo :func:`apply_token_pooling`: the blocks' own forward, timm's own pooling."""
+    if not isinstance(model, VisionTransformer):
+        raise ValueError(f"this model has no token pooling to remove ({LIBRARY})")
+    return unpatch_host(adapt(model))
 
 
 def is_patched(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "blocks", None), PooledBlocks)
+    return isinstance(getattr(model, "token_pooling", None), TokenPooling)
