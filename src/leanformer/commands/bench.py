@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from leanformer.commands._hosts import add_host_arguments, build_host_model, host_name
 from leanformer.commands._options import (
     add_model_arguments,
     forward_kwargs,
@@ -22,6 +23,7 @@ HELP = "measure params, GFLOPs, throughput and peak memory"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, model_required=False)
     parser.add_argument("--checkpoint", help="bench a trained checkpoint instead of --model")
+    add_host_arguments(parser)
     # One input size or the other: an encoder's feature map comes from --feature-size when
     # given, so an --img-size beside it would be reported but unused.
     size = parser.add_mutually_exclusive_group()
@@ -34,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if host_name(args):
+        return _run_host(args)
     from leanformer.bench.report import bench_model, example_inputs
     from leanformer.models.registry import accepted_options, create_model, model_info
 
@@ -73,6 +77,34 @@ def run(args: argparse.Namespace) -> list[dict]:
             memory=not args.no_memory,
         )
     )
+    _print(args, name, row)
+    return [row]
+
+
+def _run_host(args: argparse.Namespace) -> list[dict]:
+    """``--timm-model`` / ``--hf-model``: a third-party ViT, token-pooled when ``--pool`` is given."""
+    from leanformer.bench.report import bench_model, input_channels
+
+    refuse_beside_checkpoint(args, "--timm-model", "--hf-model")
+    if args.model or args.feature_size is not None:
+        raise ValueError(
+            "--timm-model/--hf-model replace --model and take images (--img-size), not --feature-size"
+        )
+    forward_kwargs(args, None)  # Perceiver-only flags are refused by name
+    torch.manual_seed(args.seed)
+    if args.img_size is not None:
+        key = "img_size" if args.timm_model else "image_size"
+        args.opt = [*args.opt, (key, args.img_size)]
+    name, model, size, options = build_host_model(args)
+    model = model.to(args.device).eval()
+    images = torch.randn(args.batch_size, input_channels(model), size, size, device=args.device)
+    row: dict[str, Any] = {"model": name, **options, "batch_size": args.batch_size, "img_size": size}
+    row.update(bench_model(model, (images,), warmup=args.warmup, runs=args.runs, memory=not args.no_memory))
+    _print(args, name, row)
+    return [row]
+
+
+def _print(args: argparse.Namespace, name: str, row: dict[str, Any]) -> None:
     if not args.json:
         mem = row.get("peak_mem_mb")
         mem_text = f", peak memory {mem:.1f} MB" if mem is not None else ""
@@ -80,4 +112,3 @@ def run(args: argparse.Namespace) -> list[dict]:
             f"{name}: {row['params_m']:.2f}M params, {row['gflops']:.4g} GFLOPs/sample, "
             f"{row['img_per_s']:.1f} img/s (batch {args.batch_size}, {int(row['threads'])} threads){mem_text}"
         )
-    return [row]
