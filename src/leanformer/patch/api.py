@@ -13,9 +13,9 @@ from typing import Any
 
 from torch import nn
 
+from leanformer.layers.host_adapter import HostAdapter, UnsupportedHostError, install, unpatch_host
+from leanformer.layers.pooling_state import TokenPooling
 from leanformer.layers.reducer import ReducePosition
-from leanformer.patch.host import HostAdapter, UnsupportedHostError, install, unpatch_host
-from leanformer.patch.state import TokenPooling
 
 __all__ = ["adapt", "apply_token_pooling", "is_patched", "remove_token_pooling"]
 

@@ -8,7 +8,7 @@ attention-pooling head gets the ``log(size)`` key bias when sizes are tracked).
 
 Each encoder layer is run from its own submodules (pre-norm, ``q_proj``/``k_proj``/
 ``v_proj``, ``o_proj``/``out_proj``, LayerScale, drop-path, MLP) by
-:mod:`leanformer.patch.host`; the attention goes through
+:mod:`leanformer.layers.host_adapter`; the attention goes through
 :func:`leanformer.ops.attention.attention`. Nothing of the host's forward code is
 copied, and a layer whose class ``forward`` differs from the one known here is refused.
 """
@@ -23,9 +23,9 @@ from typing import Any
 import transformers
 from torch import Tensor, nn
 
+from leanformer.layers.host_adapter import BlockParts, HostAdapter, Override, UnsupportedHostError
+from leanformer.layers.pooling_state import TokenPooling
 from leanformer.ops.attention import attention
-from leanformer.patch.host import BlockParts, HostAdapter, Override, UnsupportedHostError
-from leanformer.patch.state import TokenPooling
 
 __all__ = ["adapt", "supported_models"]
 

@@ -25,8 +25,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from leanformer.layers.pooling_state import ReducePosition, TokenPooling
 from leanformer.layers.reducer import reduce_tokens
-from leanformer.patch.state import ReducePosition, TokenPooling
 
 Override = tuple[nn.Module, str, Any]  # set on the instance, deleted to undo
 
