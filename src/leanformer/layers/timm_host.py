@@ -29,7 +29,7 @@ from leanformer.layers.host_adapter import BlockParts, HostAdapter, Override, Un
 from leanformer.layers.pooling_state import TokenPooling
 from leanformer.ops.attention import attention, size_bias
 
-__all__ = ["LIBRARY", "adapt", "weighted_token_mean"]
+__all__ = ["LIBRARY", "adapt", "block_parts", "weighted_token_mean"]
 
 LIBRARY = f"timm {timm.__version__}"
 _BLOCK_PARTS = ("norm1", "attn", "ls1", "drop_path1", "norm2", "mlp", "ls2", "drop_path2")
@@ -71,7 +71,7 @@ def _attention(attn: nn.Module) -> Any:
     return run
 
 
-def _parts(blk: nn.Module) -> BlockParts:
+def block_parts(blk: nn.Module) -> BlockParts:
     return BlockParts(
         norm1=blk.norm1,
         attention=_attention(blk.attn),
@@ -174,7 +174,7 @@ def adapt(model: nn.Module) -> HostAdapter:
         library=LIBRARY,
         owner=model,
         blocks=list(model.blocks),
-        parts=_parts,
+        parts=block_parts,
         num_prefix=int(model.num_prefix_tokens),
         num_tokens=int(model.patch_embed.num_patches),
         grid_size=(grid[0], grid[1]),
