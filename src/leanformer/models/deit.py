@@ -22,7 +22,7 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from leanformer.layers.checks import check_positive, check_positive_number, check_rates
+from leanformer.layers.checks import check_positive, check_positive_number, check_rates, head_dim
 from leanformer.layers.classifier import classifier
 from leanformer.layers.host_adapter import install
 from leanformer.layers.init import init_vit_weights
@@ -88,8 +88,7 @@ class DeiT(VisionTransformer):
         size = to_2tuple(img_size)
         if min(size) < patch_size:
             raise ValueError(f"img_size {size} is smaller than one patch ({patch_size})")
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        head_dim(embed_dim, num_heads)
         super().__init__(
             img_size=size,
             patch_size=patch_size,
