@@ -190,6 +190,36 @@ def unpatch_host(adapter: HostAdapter) -> nn.Module:
     return owner
 
 
+def install_reducers(
+    host: HostAdapter,
+    reducers: Sequence[nn.Module | None],
+    *,
+    reduce_at: ReducePosition = "attn",
+    method: str | None = None,
+    keep: Any = None,
+    carry: bool = False,
+    options: dict[str, Any] | None = None,
+) -> nn.Module:
+    """Patch ``host`` with one reducer (or None) per block; ``method``/``keep``/``carry``/
+    ``options`` record how they were built (``method=None``: by hand, budget fixed)."""
+    check_unpatched(host)
+    if len(reducers) != len(host.blocks):
+        raise ValueError(f"got {len(reducers)} reducers for a model with {len(host.blocks)} blocks")
+    pooling = TokenPooling(
+        reducers,
+        num_prefix=host.num_prefix,
+        num_tokens=host.num_tokens,
+        dim=host.dim,
+        grid_size=host.grid_size,
+        reduce_at=reduce_at,
+        method=method,
+        keep=keep,
+        carry=carry,
+        options=options,
+    )
+    return patch_host(host, pooling)
+
+
 def install(
     host: HostAdapter,
     *,
@@ -212,16 +242,6 @@ def install(
         carry=carry,
         **options,
     )
-    pooling = TokenPooling(
-        reducers,
-        num_prefix=host.num_prefix,
-        num_tokens=host.num_tokens,
-        dim=host.dim,
-        grid_size=host.grid_size,
-        reduce_at=reduce_at,
-        method=method,
-        keep=keep,
-        carry=carry,
-        options=options,
+    return install_reducers(
+        host, reducers, reduce_at=reduce_at, method=method, keep=keep, carry=carry, options=options
     )
-    return patch_host(host, pooling)

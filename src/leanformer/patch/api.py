@@ -37,7 +37,7 @@ def adapt(model: nn.Module) -> HostAdapter:
     from timm.models.vision_transformer import VisionTransformer
 
     if isinstance(model, VisionTransformer) or module.startswith("timm."):
-        from leanformer.patch.timm import adapt as adapt_timm
+        from leanformer.layers.timm_host import adapt as adapt_timm
 
         return adapt_timm(model)
     raise UnsupportedHostError(

@@ -11,13 +11,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import timm
-from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from leanformer.layers.host_adapter import check_unpatched, install, patch_host, unpatch_host
-from leanformer.layers.pooling_state import TokenPooling
+from leanformer.layers.host_adapter import install_reducers
 from leanformer.layers.reducer import ReducePosition
-from leanformer.layers.timm_host import LIBRARY, adapt
+from leanformer.layers.timm_host import adapt
+
+# The entry points take any supported host; here for the timm-first imports that use them.
+from leanformer.patch.api import apply_token_pooling, is_patched, remove_token_pooling
 
 __all__ = [
     "adapt",
@@ -79,43 +80,4 @@ def apply_reducers(
     object following :class:`leanformer.layers.reducer.TokenReducer`); their budget
     cannot be changed through ``model.token_pooling.keep``.
     """
-    host = adapt(model)
-    check_unpatched(host)
-    if len(reducers) != len(host.blocks):
-        raise ValueError(f"got {len(reducers)} reducers for a model with {len(host.blocks)} blocks")
-    pooling = TokenPooling(
-        reducers,
-        num_prefix=host.num_prefix,
-        num_tokens=host.num_tokens,
-        dim=host.dim,
-        grid_size=host.grid_size,
-        reduce_at=reduce_at,
-    )
-    return patch_host(host, pooling)
-
-
-def apply_token_pooling(
-    model: nn.Module,
-    *,
-    keep: Any,
-    method: str = "wkmedoids",
-    carry: bool = True,
-    reduce_at: ReducePosition = "attn",
-    **options: Any,
-) -> nn.Module:
-    """Insert a token reduction into a timm ViT / DeiT in place (no training needed); returns it.
-
-    See :func:`leanformer.patch.apply_token_pooling`, which also takes Hugging Face models.
-    """
-    return install(adapt(model), keep=keep, method=method, carry=carry, reduce_at=reduce_at, **options)
-
-
-def remove_token_pooling(model: nn.Module) -> nn.Module:
-    """Undo :func:`apply_token_pooling`: the blocks' own forward, timm's own pooling."""
-    if not isinstance(model, VisionTransformer):
-        raise ValueError(f"this model has no token pooling to remove ({LIBRARY})")
-    return unpatch_host(adapt(model))
-
-
-def is_patched(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "token_pooling", None), TokenPooling)
+    return install_reducers(adapt(model), reducers, reduce_at=reduce_at)
