@@ -48,6 +48,7 @@ def test_bench_hf_model_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--keep and --carry need --pool" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "source",
     [
