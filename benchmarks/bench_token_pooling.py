@@ -33,13 +33,14 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
 from leanformer.bench.flops import count_gflops
 from leanformer.bench.results import markdown_rows, write_jsonl
 from leanformer.bench.speedup import speedup_rows
 from leanformer.bench.timing import CLOCKS, add_clock_argument, time_interleaved
-from leanformer.layers.block import Block
+from leanformer.layers.timm_host import block_parts
 from leanformer.layers.token_pooling import build_reducers, list_methods
 from leanformer.models.registry import create_model
 
@@ -54,7 +55,7 @@ LAYER_SHAPE = {"tokens": 197, "dim": 384, "heads": 6, "keep": 98}  # DeiT-S at 2
 
 
 class LayerInputs(NamedTuple):
-    """One DeiT-S block, its input, and what a pooling layer after it gets."""
+    """One DeiT-S block (timm's, as in the DeiT family), its input, and what a pooling layer after it gets."""
 
     block: Block
     x: Tensor  # block input [B, 197, 384]
@@ -65,11 +66,11 @@ class LayerInputs(NamedTuple):
 def layer_inputs(batch: int) -> LayerInputs:
     torch.manual_seed(0)
     N, C = LAYER_SHAPE["tokens"], LAYER_SHAPE["dim"]
-    block = Block(C, num_heads=LAYER_SHAPE["heads"]).eval()
+    block = Block(C, num_heads=LAYER_SHAPE["heads"], qkv_bias=True).eval()
     x = torch.randn(batch, N, C)
     with torch.inference_mode():
-        _, received = block.attn(block.norm1(x), need_received=True)
-        feats, _ = block(x)
+        _, received = block_parts(block).attention(block.norm1(x), None, True)
+        feats = block(x)
     assert received is not None
     return LayerInputs(block, x, feats[:, 1:].contiguous(), received[:, 1:].contiguous())
 
@@ -93,10 +94,11 @@ def pooling_layer(method: str) -> nn.Module:
 
 def bench_layer(args: argparse.Namespace) -> list[dict[str, Any]]:
     block, x, tokens, scores = layer_inputs(args.batch)
+    attention = block_parts(block).attention  # the attention the host adapter runs
     fns: dict[str, Callable[[], Any]] = {
         "block": lambda: block(x),
-        "scores": lambda: block.attn(block.norm1(x), need_received=True),
-        "block_fused_attn": lambda: block.attn(block.norm1(x)),
+        "scores": lambda: attention(block.norm1(x), None, True),
+        "block_fused_attn": lambda: attention(block.norm1(x), None, False),
     }
     for method in args.methods:
         layer = pooling_layer(method)

@@ -38,8 +38,8 @@ def test_block_on_packed_sequences_equals_each_sequence_alone() -> None:
     lengths = [4, 4, 3, 7, 6, 1]
     seqs = [torch.randn(n, 16) for n in lengths]
     ragged = RaggedBatch(torch.tensor(lengths), [2, 1, 2, 1])
-    out, _ = block(_pack(seqs), ragged=ragged)
-    expected = torch.cat([block(s[None])[0][0] for s in seqs])
+    out = block(_pack(seqs), ragged=ragged)
+    expected = torch.cat([block(s[None])[0] for s in seqs])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -47,7 +47,7 @@ def test_gradients_reach_every_packed_token() -> None:
     block = Block(8, num_heads=2)
     block.eval()
     x = torch.randn(9, 8, requires_grad=True)
-    out, _ = block(x, ragged=RaggedBatch(torch.tensor([2, 5, 2]), [1, 2]))
+    out = block(x, ragged=RaggedBatch(torch.tensor([2, 5, 2]), [1, 2]))
     out.sum().backward()
     assert x.grad is not None and bool((x.grad.abs().sum(1) > 0).all())
 

@@ -14,7 +14,6 @@ from torch import Tensor, nn
 
 from leanformer.layers.reducer import reduce_tokens
 from leanformer.patch.timm import (
-    PooledBlocks,
     apply_reducers,
     apply_token_pooling,
     is_patched,
@@ -172,11 +171,12 @@ def test_remove_restores_model() -> None:
         ref = model(x)
         apply_reducers(model, [TopK(5), TopK(3), TopK(1)])
         assert list(model.state_dict()) == keys  # same blocks, same keys
-        assert len(model.blocks) == 3 and isinstance(model.blocks, PooledBlocks)
+        assert len(model.blocks) == 3 and type(model.blocks) is nn.Sequential
         assert not torch.allclose(model(x), ref)
         remove_token_pooling(model)
         out = model(x)
-    assert type(model.blocks) is nn.Sequential and not hasattr(model, "token_pooling")
+    assert not hasattr(model, "token_pooling") and not is_patched(model)
+    assert all("forward" not in b.__dict__ for b in model.blocks) and "pool" not in model.__dict__
     assert list(model.state_dict()) == keys
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
     apply_reducers(model, [None, None, None])  # can be patched again
@@ -189,9 +189,9 @@ def test_refuses_second_patch_and_unsupported_models() -> None:
         apply_reducers(model, [None] * 3)
     with pytest.raises(ValueError, match=rf"timm {version}.*not a timm VisionTransformer"):
         apply_reducers(nn.Sequential(nn.Linear(2, 2)), [None])
-    gap = timm.create_model("vit_tiny_patch16_224", **{**SMALL, "global_pool": "avg", "class_token": False})
-    with pytest.raises(ValueError, match="only class-token models"):
-        apply_reducers(gap, [None] * 3)
+    parallel = timm.create_model("vit_small_patch16_18x2_224", **{**SMALL, "depth": 2})
+    with pytest.raises(ValueError, match=rf"timm {version}.*block 0 is a ParallelThingsBlock"):
+        apply_reducers(parallel, [None] * 2)
     with pytest.raises(ValueError, match="got 2 reducers for a model with 3 blocks"):
         apply_reducers(MODELS["vit"](), [None] * 2)
     with pytest.raises(ValueError, match="no token pooling to remove"):

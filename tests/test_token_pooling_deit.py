@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from timm.models.vision_transformer import Block as TimmBlock
 from torch import nn
 
-from leanformer.layers.block import Block
+from leanformer.layers.host_adapter import pooled_block_forward
 from leanformer.layers.reducer import reduce_tokens
+from leanformer.layers.timm_host import block_parts
 from leanformer.layers.token_pooling import (
     ClusterPooling,
     ConvDownsample,
@@ -37,15 +39,26 @@ def test_every_method_in_deit(method: str, carry: bool) -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
+def _block_outputs(model: nn.Module, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each block's output tokens (class token included) and the sizes it hands on."""
+    out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+    pooling = getattr(model, "token_pooling", None)
+
+    def record(module: nn.Module, args: object, output: torch.Tensor) -> None:
+        out.append((output, None if pooling is None else pooling.sizes))
+
+    hooks = [blk.register_forward_hook(record) for blk in model.blocks]
+    try:
+        model.forward_features(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return out
+
+
 def _token_counts(model: nn.Module, x: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
     """Tokens (and sizes) after each block, class token included."""
-    feats, grid = model.patch_embed(x)
-    feats = model._pos_embed(feats, grid)
-    out, sizes = [], None
-    for blk in model.blocks:
-        feats, sizes = blk(feats, sizes, model.num_prefix_tokens)
-        out.append((feats.shape[1], sizes))
-    return out
+    return [(feats.shape[1], sizes) for feats, sizes in _block_outputs(model, x)]
 
 
 @pytest.mark.parametrize(
@@ -64,14 +77,8 @@ def test_counts_follow_the_schedule_and_class_token_is_kept(method: str) -> None
     # The class token goes through untouched by the reducer: compare with the unpooled first block.
     plain = create_model("deit_test").eval()
     plain.load_state_dict(model.state_dict(), strict=False)
-    feats, grid = model.patch_embed(x)
-    feats = model._pos_embed(feats, grid)
-    blk = model.blocks[0]
-    reducer = blk.reducer
-    pooled, _ = blk(feats, None, 1)
-    blk.reducer = None
-    unpooled, _ = blk(feats, None, 1)
-    blk.reducer = reducer
+    pooled, _ = _block_outputs(model, x)[0]
+    unpooled, _ = _block_outputs(plain, x)[0]
     torch.testing.assert_close(pooled[:, 0], unpooled[:, 0])
 
 
@@ -80,7 +87,7 @@ def test_budget_that_never_binds_is_the_plain_model() -> None:
     plain = create_model("deit_test").eval()
     pooled = create_model("deit_test", pool="wkmedoids", keep=[16, 20, 16]).eval()
     pooled.load_state_dict(plain.state_dict())
-    assert all(blk.reducer is None for blk in pooled.blocks)  # fused attention kept everywhere
+    assert len(pooled.token_pooling.reducers) == 0  # fused attention kept everywhere
     x = torch.randn(2, 3, 16, 16)
     torch.testing.assert_close(pooled(x), plain(x))
 
@@ -146,11 +153,10 @@ def test_significance_scores_only_where_needed() -> None:
 
 
 def test_carry_sizes_through_a_block() -> None:
-    blk = Block(8, num_heads=2).eval()
+    blk = TimmBlock(8, num_heads=2).eval()
     reducer = TokenSelection(keep=3, mode="topk", carry=True)
-    blk.set_reducer(reducer, "attn")
     x = torch.randn(2, 1 + 6, 8)
-    out, sizes = blk(x, None, 1)
+    out, sizes = pooled_block_forward(block_parts(blk), x, None, reducer, 1, "attn")
     assert out.shape == (2, 4, 8) and sizes is not None
     torch.testing.assert_close(sizes, torch.ones(2, 4))
     merged, msizes = reduce_tokens(TokenSelection(keep=2, mode="random", carry=True), out, sizes * 3, None, 1)
@@ -207,7 +213,7 @@ def test_bad_methods_and_options() -> None:
 def test_reduce_after_mlp_option() -> None:
     torch.manual_seed(0)
     model = create_model("deit_test", pool="wkmedoids", keep=[8, 4, 2], reduce_at="mlp")
-    assert all(blk.reduce_at == "mlp" for blk in model.blocks)
+    assert model.token_pooling.reduce_at == "mlp"
     assert model(torch.randn(1, 3, 16, 16)).shape == (1, 5)
 
 

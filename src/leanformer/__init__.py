@@ -14,8 +14,9 @@ from leanformer.models.registry import create_model, list_models, model_info, re
 __version__ = "0.1.0"
 
 _LAZY = {
-    "apply_token_pooling": "leanformer.patch.timm",
-    "remove_token_pooling": "leanformer.patch.timm",
+    "apply_token_pooling": "leanformer.patch.api",
+    "remove_token_pooling": "leanformer.patch.api",
+    "is_patched": "leanformer.patch.api",
     "build_dataset": "leanformer.data.registry",
     "list_datasets": "leanformer.data.registry",
     "load_model": "leanformer.engine.checkpoint",

@@ -7,9 +7,9 @@ Each point records top-1, GFLOPs per image (multiply-adds, as the papers count) 
 measured images/s. Results go to ``results.jsonl``, ``table.md`` and ``tradeoff.png``
 (one line per method, the paper's figure 3 style).
 
-Every variant is a deep copy of the base model with reducers inserted (leanformer
-DeiT blocks via ``set_reducer``; timm models via :mod:`leanformer.patch.timm`), so the
-weights are shared knowledge and nothing is retrained unless ``finetune_epochs > 0``.
+Every variant is a deep copy of the base model with reducers inserted by
+:func:`leanformer.apply_token_pooling` (the host adapter every DeiT and timm ViT goes
+through), so nothing is retrained unless ``finetune_epochs > 0``.
 """
 
 from __future__ import annotations
@@ -191,17 +191,19 @@ def base_run_config(cfg: SweepConfig) -> RunConfig:
 def with_method(
     base: nn.Module, method: str, keep: Any, *, carry: bool, options: dict[str, Any]
 ) -> nn.Module:
-    """A deep copy of ``base`` with ``method`` at budget ``keep`` in every block."""
+    """A deep copy of ``base`` with ``method`` at budget ``keep`` in every block.
+
+    Any pooling the base already has is removed first, so ``BASELINE`` is the plain model.
+    """
+    from leanformer.patch.api import apply_token_pooling, is_patched, remove_token_pooling
+
     model = copy.deepcopy(base)
+    if is_patched(model):
+        remove_token_pooling(model)
     if method == BASELINE:
         return model
-    from timm.models.vision_transformer import VisionTransformer
-
-    from leanformer.patch.timm import apply_token_pooling
-
-    if isinstance(model, VisionTransformer):
-        return apply_token_pooling(model, keep=keep, method=method, carry=carry, **options)
-    return _apply_to_leanformer(model, method, keep, carry=carry, options=options)
+    check_poolable(type(model))
+    return apply_token_pooling(model, keep=keep, method=method, carry=carry, **options)
 
 
 def check_timm_fits_data(model: nn.Module, info: Any) -> None:
@@ -229,56 +231,23 @@ def check_timm_fits_data(model: nn.Module, info: Any) -> None:
 
 
 def check_poolable(cls: type[nn.Module]) -> None:
-    """Token pooling needs blocks that run on patch tokens: a DeiT (or a timm ViT, patched).
+    """Token pooling needs a host whose blocks run on patch tokens: a DeiT or a timm ViT
+    (any host :func:`leanformer.apply_token_pooling` takes).
 
     A Perceiver's blocks, say, run on its latent queries, which have no token grid and
     must not be pooled as if they did.
     """
-    from leanformer.models.deit import DeiT
+    from timm.models.vision_transformer import VisionTransformer
 
-    if not issubclass(cls, DeiT):
+    if not issubclass(cls, VisionTransformer) and not cls.__module__.startswith("transformers."):
         raise ValueError(
-            f"token pooling applies to DeiT models and timm ViT/DeiT, not to {cls.__name__}"
+            f"token pooling applies to DeiT models, timm ViTs and Hugging Face ViTs, not to {cls.__name__}"
             + (
                 " (`leanformer perceiver-eval` sweeps its number of queries)"
                 if "Perceiver" in cls.__name__
                 else ""
             )
         )
-
-
-def _apply_to_leanformer(
-    model: nn.Module, method: str, keep: Any, *, carry: bool, options: dict[str, Any]
-) -> nn.Module:
-    from leanformer.layers.block import Block
-    from leanformer.layers.token_pooling import build_reducers
-    from leanformer.models.deit import DeiT
-
-    check_poolable(type(model))
-    assert isinstance(model, DeiT)
-    blocks, grid = model.blocks, model.grid_size
-    assert all(isinstance(b, Block) for b in blocks)
-    reducers = build_reducers(
-        method=method,
-        keep=keep,
-        depth=len(blocks),
-        num_tokens=int(grid[0] * grid[1]),
-        dim=int(model.embed_dim),
-        grid_size=(int(grid[0]), int(grid[1])),
-        carry=carry,
-        **options,
-    )
-    device = next(model.parameters()).device
-    for blk, reducer in zip(blocks, reducers, strict=True):
-        if reducer is not None:
-            reducer.to(device)
-        blk.set_reducer(reducer, "attn")
-    # Keep the model's own description of itself in step (DeiT records pool/carry).
-    if hasattr(model, "pool"):
-        model.pool = method
-    if hasattr(model, "carry"):
-        model.carry = carry
-    return model
 
 
 def finetune(model: nn.Module, loader: Any, *, epochs: int, lr: float, device: str) -> nn.Module:

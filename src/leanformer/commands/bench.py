@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from leanformer.commands import _hf_detr
+from leanformer.commands._hosts import add_host_arguments, build_host_model, host_name
 from leanformer.commands._options import (
     add_model_arguments,
     forward_kwargs,
@@ -27,11 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint", help="bench a trained checkpoint (file or run folder) instead of --model"
     )
-    parser.add_argument(
-        "--hf-model",
-        help="a Hugging Face model built offline from its config (random weights): "
-        "detr = DETR-R50 detector, dense vs ENACT side by side",
-    )
+    add_host_arguments(parser)
     # One input size or the other: an encoder's feature map comes from --feature-size when
     # given, so an --img-size beside it would be reported but unused.
     size = parser.add_mutually_exclusive_group()
@@ -74,15 +71,15 @@ def _int_or_none(size: Any) -> int | None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if _hf_detr.is_requested(args):
+        return _hf_detr.run(args)
+    if isinstance(args.img_size, tuple):
+        raise ValueError("--img-size HxW is for --hf-model detr; give one number for other models")
+    if host_name(args):
+        return _run_host(args)
     from leanformer.bench.report import bench_model, example_inputs
     from leanformer.models.registry import accepted_options, create_model, model_info
 
-    if _hf_detr.is_requested(args):
-        return _hf_detr.run(args)
-    if args.hf_model is not None:
-        raise ValueError(f"--hf-model: bench knows detr, got {args.hf_model!r}")
-    if isinstance(args.img_size, tuple):
-        raise ValueError("--img-size HxW is for --hf-model detr; give one number for registry models")
     options = model_options(args)
     torch.manual_seed(args.seed)
     refuse_beside_checkpoint(args, "--model")
@@ -130,6 +127,34 @@ def run(args: argparse.Namespace) -> list[dict]:
             compile=args.compile,
         )
     )
+    _print(args, name, row)
+    return [row]
+
+
+def _run_host(args: argparse.Namespace) -> list[dict]:
+    """``--timm-model`` / ``--hf-model``: a third-party ViT, token-pooled when ``--pool`` is given."""
+    from leanformer.bench.report import bench_model, input_channels
+
+    refuse_beside_checkpoint(args, "--timm-model", "--hf-model")
+    if args.model or args.feature_size is not None:
+        raise ValueError(
+            "--timm-model/--hf-model replace --model and take images (--img-size), not --feature-size"
+        )
+    forward_kwargs(args, None)  # Perceiver-only flags are refused by name
+    torch.manual_seed(args.seed)
+    if args.img_size is not None:
+        key = "img_size" if args.timm_model else "image_size"
+        args.opt = [*args.opt, (key, args.img_size)]
+    name, model, size, options = build_host_model(args)
+    model = model.to(args.device).eval()
+    images = torch.randn(args.batch_size, input_channels(model), size, size, device=args.device)
+    row: dict[str, Any] = {"model": name, **options, "batch_size": args.batch_size, "img_size": size}
+    row.update(bench_model(model, (images,), warmup=args.warmup, runs=args.runs, memory=not args.no_memory))
+    _print(args, name, row)
+    return [row]
+
+
+def _print(args: argparse.Namespace, name: str, row: dict[str, Any]) -> None:
     if not args.json:
         mem = row.get("peak_mem_mb")
         # Tensor bytes the forward pass allocates above what was live before it, at their
@@ -142,4 +167,3 @@ def run(args: argparse.Namespace) -> list[dict]:
             f"{row['img_per_s']:.1f} img/s (batch {args.batch_size}, {int(row['threads'])} threads)"
             f"{mem_text}{compile_text}"
         )
-    return [row]

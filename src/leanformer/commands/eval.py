@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from leanformer.commands._hosts import ClassifierLogits, add_host_arguments, build_host_model, host_name
 from leanformer.commands._options import (
     add_data_arguments,
     add_model_arguments,
@@ -29,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config (for the data) when no checkpoint is given")
     parser.add_argument("--split", default="test", choices=("train", "test"))
     add_model_arguments(parser)
+    add_host_arguments(parser)
     add_data_arguments(parser)
     parser.add_argument(
         "--compile",
@@ -54,15 +57,40 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
         model = load_model(args.checkpoint, device=args.device, **options)
         _warn_untrained(model)
         return cfg, model
-    if not args.model:
-        raise ValueError("give --checkpoint PATH (a trained run) or --model NAME")
     from leanformer.engine.builders import build_model, build_split
+
+    if host_name(args):
+        return _host_config(args, overrides)
+    if not args.model:
+        raise ValueError("give --checkpoint PATH (a trained run), --model NAME, --timm-model or --hf-model")
 
     cfg = load_config(args.config, {"model": args.model, **overrides})
     info = build_split(cfg.data, args.split).info  # type: ignore[attr-defined]
     torch.manual_seed(args.seed)
     model, _ = build_model(cfg.model, {**cfg.model_options, **model_options(args)}, info)
     return cfg, model.to(args.device)
+
+
+def _host_config(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[RunConfig, Any]:
+    """``--timm-model`` / ``--hf-model`` on the data of ``--config``/``--data`` (random weights
+    unless a local file is given), token-pooled when ``--pool`` is."""
+    from leanformer.engine.builders import build_split
+
+    refuse_beside_checkpoint(args, "--timm-model", "--hf-model")
+    if args.model:
+        raise ValueError("--timm-model/--hf-model replace --model")
+    cfg = load_config(args.config, overrides)
+    info = build_split(cfg.data, args.split).info  # type: ignore[attr-defined]
+    torch.manual_seed(args.seed)
+    name, model, _, _ = build_host_model(args, data=info)
+    if args.hf_model:
+        if "ForImageClassification" not in type(model).__name__:
+            raise ValueError(
+                f"eval needs a classifier: {args.hf_model} has no logits (try *ForImageClassification)"
+            )
+        model = ClassifierLogits(model)
+    model.leanformer_name = name
+    return replace(cfg, model=name), model.to(args.device)
 
 
 def _warn_untrained(model: torch.nn.Module) -> None:

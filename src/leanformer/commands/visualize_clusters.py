@@ -63,22 +63,19 @@ def _last(trace: list[Tensor | None]) -> Tensor | None:
 
 
 def _reducer_slots(model: nn.Module) -> list[tuple[Any, Any, nn.Module | None]]:
-    """``(get, set, reducer)`` per block, for leanformer blocks and timm-patched models."""
+    """``(block, set, reducer)`` per block of a token-pooled model (any host)."""
     pooling = getattr(model, "token_pooling", None)
-    if pooling is not None:  # leanformer.patch.timm
-        slots = []
-        for i in range(pooling.depth):
-            key = str(i)
+    if pooling is None:
+        raise ValueError(f"{type(model).__name__} has no token pooling to trace")
+    slots = []
+    for i in range(pooling.depth):
+        key = str(i)
 
-            def setter(r: nn.Module, key: str = key) -> None:
-                pooling.reducers[key] = r
+        def setter(r: nn.Module, key: str = key) -> None:
+            pooling.reducers[key] = r
 
-            slots.append((i, setter, pooling.reducer(i)))
-        return slots
-    blocks = getattr(model, "blocks", None)
-    if blocks is None or not all(hasattr(b, "set_reducer") for b in blocks):
-        raise ValueError(f"{type(model).__name__} has no token-pooling blocks to trace")
-    return [(i, lambda r, b=b: b.set_reducer(r, b.reduce_at), b.reducer) for i, b in enumerate(blocks)]
+        slots.append((i, setter, pooling.reducer(i)))
+    return slots
 
 
 @torch.no_grad()
@@ -198,7 +195,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     torch.manual_seed(args.seed)
     base = (trained if trained is not None else _build(args, data.info)).to(args.device).eval()
     check_data_fits(type(base), data.info, name=getattr(base, "leanformer_name", None))
-    budgets = resolve_keep(args.keep, depth=len(base.blocks))  # type: ignore[arg-type]
+    grid = _grid_of(base)
+    budgets = resolve_keep(args.keep, depth=len(base.blocks), num_tokens=grid[0] * grid[1])  # type: ignore[arg-type]
     if any(isinstance(b, int) and b < 1 for b in budgets):
         raise ValueError(
             f"--keep {args.keep}: a block would keep no patch tokens, so there is nothing to draw"
@@ -211,7 +209,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     layer = args.layer if args.layer >= 0 else depth + args.layer
     if not 0 <= layer < depth:
         raise ValueError(f"--layer must be in [0, {depth}) (or negative from the end), got {args.layer}")
-    grid = _grid_of(model, x)
+    grid = _grid_of(model)
     assign = patch_assignment(trace, layer, grid[0] * grid[1], n)
     out = Path(args.out)
     rows = []
@@ -230,7 +228,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _grid_of(model: nn.Module, x: Tensor) -> tuple[int, int]:
+def _grid_of(model: nn.Module) -> tuple[int, int]:
     grid = getattr(model, "grid_size", None)
     if grid is None:
         grid = model.patch_embed.grid_size

@@ -8,6 +8,9 @@
   level 7 does) without effect;
 - one keep ratio ``r`` in (0, 1]: every block keeps ``round(r * tokens it receives)``;
 - a list of per-block ratios (floats in (0, 1]);
+- ToMe's form ``{"r": r}`` (``"r16"`` on the command line): every block removes ``r``
+  tokens, at most half of those it receives (ToMe's bipartite matching cannot remove
+  more), which turns into per-block counts for the host's token count;
 - a named preset from the paper's appendix G (tables 3-5): ``deit_s_level0`` ...
   ``deit_s_level7``, ``deit_e318_level0`` ... ``deit_e318_level7``, ``deit_e252_level0``
   ... ``deit_e252_level7`` (224x224 images, patch 16: 196 tokens, 12 blocks).
@@ -76,16 +79,19 @@ def _check_entry(v: Any, layer: int) -> Budget:
     return int(v)
 
 
-def resolve_keep(keep: Any, *, depth: int) -> list[Budget]:
+def resolve_keep(keep: Any, *, depth: int, num_tokens: int | None = None) -> list[Budget]:
     """Validate ``keep`` and return one budget per block (``int`` count or ``float`` ratio).
 
-    Strings name a preset (or a number, as typed on the command line: ``"0.5"``, or a
-    comma-separated list ``"196,180,..."``). Errors name the offending block.
+    Strings name a preset (or a number, as typed on the command line: ``"0.5"``, a
+    comma-separated list ``"196,180,..."``, or ``"r16"``). Errors name the offending
+    block. ``{"r": r}`` needs ``num_tokens`` (the patch tokens the first block receives).
     """
     if keep is None:
         raise ValueError("a pooling method needs keep= (a per-block list, a ratio in (0, 1] or a preset)")
     if isinstance(keep, str):
         keep = _parse_string(keep)
+    if isinstance(keep, dict):
+        return _remove_per_block(keep, depth=depth, num_tokens=num_tokens)
     if isinstance(keep, bool):
         raise ValueError(f"keep must be a list, a ratio or a preset name, got {keep!r}")
     if isinstance(keep, int):
@@ -121,10 +127,31 @@ def parse_keep_list(text: str) -> list[Budget]:
     return budgets
 
 
+def _remove_per_block(keep: dict[str, Any], *, depth: int, num_tokens: int | None) -> list[Budget]:
+    """ToMe's ``{"r": r}``: block l keeps ``n_l - min(r, n_l // 2)`` of the ``n_l`` it receives."""
+    if set(keep) != {"r"}:
+        raise ValueError(
+            f"keep must be a list, a ratio, a preset name or {{'r': tokens removed per block}}, got {keep!r}"
+        )
+    r = keep["r"]
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        raise ValueError(f"keep={{'r': ...}} needs a token count >= 0, got {r!r}")
+    if num_tokens is None:
+        raise ValueError("keep={'r': ...} needs the host's token count to turn into per-block budgets")
+    counts: list[Budget] = []
+    n = num_tokens
+    for _ in range(depth):
+        n -= min(r, n // 2)
+        counts.append(n)
+    return counts
+
+
 def _parse_string(text: str) -> Any:
     name = text.strip()
     if name in PRESETS:
         return list(PRESETS[name])
+    if name[:1] in "rR" and name[1:].isdigit():
+        return {"r": int(name[1:])}
     if "," in name:
         return parse_keep_list(name)
     try:

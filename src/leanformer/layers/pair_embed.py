@@ -57,7 +57,7 @@ class _Encoder(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         for blk in self.blocks:
-            x, _ = blk(x)
+            x = blk(x)
         return self.norm(x)
 
 

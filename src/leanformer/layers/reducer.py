@@ -9,10 +9,14 @@ reducer does not ask for it).
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+# Where a block's reducer sits: between its attention and its MLP (PoWER-BERT, Token
+# Pooling: the MLP already runs on fewer tokens) or after its MLP.
+ReducePosition = Literal["attn", "mlp"]
 
 
 @runtime_checkable

@@ -430,7 +430,7 @@ def build_reducers(
         return [None] * depth
     if method == "conv":
         return _build_conv(keep, depth=depth, dim=dim, grid_size=grid_size, carry=carry, **options)
-    budgets = resolve_keep(keep, depth=depth)
+    budgets = resolve_keep(keep, depth=depth, num_tokens=num_tokens)
     reducers: list[nn.Module | None] = []
     n = num_tokens
     for budget in budgets:
@@ -454,7 +454,7 @@ def _build_conv(
     if layers is None:
         if keep is None:
             raise ValueError("conv pooling needs layers=[block indices] or keep= to place its layers")
-        budgets = resolve_keep(keep, depth=depth)
+        budgets = resolve_keep(keep, depth=depth, num_tokens=h * w)
         chosen, n, gh, gw = [], h * w, h, w
         for i, budget in enumerate(budgets):
             if n > 1 and budget_to_count(budget, n) <= n // 2:

@@ -1,31 +1,54 @@
-"""DeiT / ViT family with an optional token reducer in every block.
+"""DeiT / ViT family: timm ``VisionTransformer`` configurations, token-pooled by the host adapter.
 
 Shapes follow DeiT (Touvron et al., 2021): patch 16 at 224x224 gives 196 tokens plus
 a class token (and a distillation token for the distilled variants). Small-image
 presets use patch 4 at 32x32 (64 tokens + class token) for the bundled data.
+
+A model here *is* a timm ``VisionTransformer`` (``VisionTransformerDistilled`` when
+``distilled=True``): the same blocks, state-dict keys and ``forward_features`` /
+``forward_head``. ``pool``/``keep``/``carry`` install token pooling through
+:mod:`leanformer.layers.timm_host`, exactly as :func:`leanformer.apply_token_pooling`
+does on any timm ViT, so ``model.token_pooling.keep`` changes the budget at run time.
+Importing this module also registers every preset in timm's registry
+(``timm.create_model("deit_small")``), each with a ``pretrained_cfg``.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from timm.models.deit import VisionTransformerDistilled
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
 
-from leanformer.layers.block import Block, ReducePosition
-from leanformer.layers.checks import check_positive, check_positive_number, check_rates
+from leanformer.layers.checks import check_positive, check_positive_number, check_rates, head_dim
 from leanformer.layers.classifier import classifier
+from leanformer.layers.host_adapter import install
 from leanformer.layers.init import init_vit_weights
-from leanformer.layers.patch_embed import PatchEmbed, resample_pos_embed, to_2tuple
+from leanformer.layers.patch_embed import to_2tuple
+from leanformer.layers.reducer import ReducePosition
+from leanformer.layers.timm_host import adapt
 from leanformer.models.registry import register
 
+# Token pooling from before the DeiT family was a timm configuration kept a reducer
+# per block ("blocks.3.reducer.conv.weight"); it now lives in model.token_pooling.
+_OLD_REDUCER_KEY = re.compile(r"^blocks\.(\d+)\.reducer\.")
 
-class DeiT(nn.Module):
+
+class DeiT(VisionTransformer):
     """Vision transformer with class (+ optional distillation) token.
 
-    ``pool``/``keep``/``carry`` insert a token-pooling reducer into every block
-    (see :mod:`leanformer.layers.token_pooling`); ``pool="none"`` is the plain model.
+    ``pool``/``keep``/``carry`` apply token pooling (see
+    :mod:`leanformer.layers.token_pooling`); ``pool="none"`` is the plain model. Any
+    input size works (``dynamic_img_size``: position embeddings are resampled).
     """
+
+    def __new__(cls, *args: Any, distilled: bool = False, **kwargs: Any) -> DeiT:
+        # One registry class for both: the distilled form is timm's distilled ViT.
+        if distilled and not issubclass(cls, VisionTransformerDistilled):
+            cls = DistilledDeiT
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -51,175 +74,168 @@ class DeiT(nn.Module):
         reduce_at: ReducePosition = "attn",
         pool_options: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__()
-        check_positive(patch_size=patch_size)  # in_chans and embed_dim: PatchEmbed checks them
+        check_positive(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, num_heads=num_heads)
+        check_positive(minimum=0, depth=depth)
         check_rates(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate)
         check_positive_number(mlp_ratio=mlp_ratio)
         # LayerScale's init_values: 0 or None for none.
         check_positive_number(zero_ok=True, optional=True, init_values=init_values)
+        classifier(embed_dim, num_classes)  # validates num_classes before timm builds anything
         if pool_options is not None and not isinstance(pool_options, dict):
             raise ValueError(f"pool_options must be a mapping of option names, got {pool_options!r}")
-        check_positive(minimum=0, depth=depth)
-        self.img_size = to_2tuple(img_size)
-        if min(self.img_size) < patch_size:
-            raise ValueError(f"img_size {self.img_size} is smaller than one patch ({patch_size})")
+        if pool == "none" and (keep is not None or carry):
+            raise ValueError("keep= and carry= need a pooling method: pass pool=... (e.g. pool='wkmedoids')")
+        size = to_2tuple(img_size)
+        if min(size) < patch_size:
+            raise ValueError(f"img_size {size} is smaller than one patch ({patch_size})")
+        head_dim(embed_dim, num_heads)
+        super().__init__(
+            img_size=size,
+            patch_size=patch_size,
+            in_chans=in_chans,
+            num_classes=num_classes,
+            embed_dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            init_values=init_values or None,
+            drop_rate=drop_rate,
+            pos_drop_rate=drop_rate,
+            proj_drop_rate=drop_rate,
+            attn_drop_rate=attn_drop_rate,
+            drop_path_rate=drop_path_rate,
+            dynamic_img_size=True,
+            weight_init="skip",
+        )
+        init_vit_weights(self, self.pos_embed, self.cls_token, getattr(self, "dist_token", None))
+        self.img_size = size
         self.patch_size = patch_size
         self.in_chans = in_chans
-        self.num_classes = num_classes
-        self.embed_dim = self.num_features = embed_dim
         self.depth = depth
-        self.num_prefix_tokens = 2 if distilled else 1
-        self.grid_size = (self.img_size[0] // patch_size, self.img_size[1] // patch_size)
-        num_patches = self.grid_size[0] * self.grid_size[1]
-
-        self.patch_embed = PatchEmbed(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        self.dist_token = nn.Parameter(torch.zeros(1, 1, embed_dim)) if distilled else None
-        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + self.num_prefix_tokens, embed_dim))
-        self.pos_drop = nn.Dropout(drop_rate)
-        dpr = torch.linspace(0, drop_path_rate, depth).tolist()
-        self.blocks = nn.ModuleList(
-            Block(
-                embed_dim,
-                num_heads=num_heads,
-                mlp_ratio=mlp_ratio,
-                qkv_bias=qkv_bias,
-                qk_norm=qk_norm,
-                init_values=init_values,
-                proj_drop=drop_rate,
-                attn_drop=attn_drop_rate,
-                drop_path=dpr[i],
-            )
-            for i in range(depth)
-        )
-        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = classifier(embed_dim, num_classes)
-        self.head_dist = classifier(embed_dim, num_classes) if distilled else None
-        self._init_weights()
-
-        self.pool = pool
-        self.carry = carry
+        self.grid_size = (size[0] // patch_size, size[1] // patch_size)
+        self._register_load_state_dict_pre_hook(_rename_old_reducer_keys)
         if pool != "none":
-            from leanformer.layers.token_pooling import build_reducers
-
-            reducers = build_reducers(
-                method=pool,
-                keep=keep,
-                depth=depth,
-                num_tokens=num_patches,
-                dim=embed_dim,
-                grid_size=self.grid_size,
-                carry=carry,
-                **(pool_options or {}),
+            install(
+                adapt(self), keep=keep, method=pool, carry=carry, reduce_at=reduce_at, **(pool_options or {})
             )
-            for blk, reducer in zip(self.blocks, reducers, strict=True):
-                blk.set_reducer(reducer, reduce_at)
-        elif keep is not None or carry:
-            raise ValueError("keep= and carry= need a pooling method: pass pool=... (e.g. pool='wkmedoids')")
 
-    def _init_weights(self) -> None:
-        init_vit_weights(self, self.pos_embed, self.cls_token, self.dist_token)
+    def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
+        classifier(self.embed_dim, num_classes)  # raises before the model changes
+        super().reset_classifier(num_classes, global_pool)
 
-    def _pos_embed(self, x: Tensor, grid: tuple[int, int]) -> Tensor:
-        n = self.num_prefix_tokens
-        prefix_pos, patch_pos = self.pos_embed[:, :n], self.pos_embed[:, n:]
-        patch_pos = resample_pos_embed(patch_pos, self.grid_size, grid)
-        prefix = [self.cls_token] + ([self.dist_token] if self.dist_token is not None else [])
-        prefix_tokens = torch.cat([t.expand(x.shape[0], -1, -1) for t in prefix], dim=1)
-        x = torch.cat([prefix_tokens + prefix_pos, x + patch_pos], dim=1)
-        return self.pos_drop(x)
 
-    def forward_features(self, x: Tensor) -> Tensor:
-        """``[B, C, H, W] -> [B, N', D]`` (normalised tokens, prefix first)."""
-        x, grid = self.patch_embed(x)
-        x = self._pos_embed(x, grid)
-        sizes: Tensor | None = None
-        for blk in self.blocks:
-            x, sizes = blk(x, sizes, self.num_prefix_tokens)
-        return self.norm(x)
+class DistilledDeiT(DeiT, VisionTransformerDistilled):
+    """DeiT with a distillation token: ``DeiT(distilled=True)`` builds one."""
 
-    def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """Tokens ``[B, N', D]`` -> logits ``[B, classes]`` from the class (and distillation) token."""
-        if pre_logits:
-            return x[:, 0]
-        logits = self.head(self.head_drop(x[:, 0]))
-        if self.head_dist is not None:
-            # DeiT inference: average the class-token and distillation-token heads.
-            logits = (logits + self.head_dist(self.head_drop(x[:, 1]))) / 2
-        return logits
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.forward_head(self.forward_features(x))
+def _rename_old_reducer_keys(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        match = _OLD_REDUCER_KEY.match(key[len(prefix) :])
+        if match:
+            rest = key[len(prefix) + match.end() :]
+            state_dict[f"{prefix}token_pooling.reducers.{match.group(1)}.{rest}"] = state_dict.pop(key)
 
-    def reset_classifier(self, num_classes: int) -> None:
-        self.head = classifier(self.embed_dim, num_classes)  # raises before the model changes
-        if self.head_dist is not None:
-            self.head_dist = classifier(self.embed_dim, num_classes)
-        self.num_classes = num_classes
 
+# --------------------------------------------------------------------------- presets
 
 # The papers' shapes (224x224, patch 16, depth 12, mlp ratio 4). DeiT-e252/e318 are the
 # Token Pooling paper's intermediate widths; it does not give their head counts, we use
 # 4 heads (63 per head) and 6 heads (53 per head).
 _FULL = dict(img_size=224, patch_size=16, depth=12, mlp_ratio=4.0)
 _WIDTHS = {"tiny": (192, 3), "e252": (252, 4), "e318": (318, 6), "small": (384, 6)}
+_IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+_CIFAR10 = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+# The bundled digits are normalised by the dataset itself (its training split's statistics).
+_SELF_NORMALISED = ((0.0,), (1.0,))
+
+# name -> (description, defaults, (mean, std)): one registry entry per preset.
+PRESETS: dict[str, tuple[str, dict[str, Any], tuple[tuple[float, ...], tuple[float, ...]]]] = {}
 for _name, (_dim, _heads) in _WIDTHS.items():
-    register(
-        f"deit_{_name}",
-        DeiT,
-        family="deit",
-        description=f"DeiT-{_name} (dim {_dim}, {_heads} heads), 224x224, patch 16",
-        embed_dim=_dim,
-        num_heads=_heads,
-        **_FULL,
+    PRESETS[f"deit_{_name}"] = (
+        f"DeiT-{_name} (dim {_dim}, {_heads} heads), 224x224, patch 16",
+        dict(embed_dim=_dim, num_heads=_heads, **_FULL),
+        _IMAGENET,
     )
-    register(
-        f"deit_{_name}_p4_32",
-        DeiT,
-        family="deit",
-        description=f"DeiT-{_name} widths on 32x32 inputs, patch 4 (64 tokens + class token)",
-        embed_dim=_dim,
-        num_heads=_heads,
-        img_size=32,
-        patch_size=4,
-        depth=12,
-        num_classes=10,
+    PRESETS[f"deit_{_name}_p4_32"] = (
+        f"DeiT-{_name} widths on 32x32 inputs, patch 4 (64 tokens + class token)",
+        dict(embed_dim=_dim, num_heads=_heads, img_size=32, patch_size=4, depth=12, num_classes=10),
+        _CIFAR10,
     )
-register(
-    "deit_small_distilled",
-    DeiT,
-    family="deit",
-    description="DeiT-S with a distillation token",
-    embed_dim=384,
-    num_heads=6,
-    distilled=True,
-    **_FULL,
+PRESETS["deit_small_distilled"] = (
+    "DeiT-S with a distillation token",
+    dict(embed_dim=384, num_heads=6, distilled=True, **_FULL),
+    _IMAGENET,
 )
 # Small enough to train on the bundled digits in a couple of minutes on 2 CPU cores.
-register(
-    "deit_digits",
-    DeiT,
-    family="deit",
-    description="6-layer DeiT (dim 96, 3 heads) on 32x32 digits, patch 4",
-    embed_dim=96,
-    num_heads=3,
-    depth=6,
-    img_size=32,
-    patch_size=4,
-    num_classes=10,
-    in_chans=1,
+PRESETS["deit_digits"] = (
+    "6-layer DeiT (dim 96, 3 heads) on 32x32 digits, patch 4",
+    dict(embed_dim=96, num_heads=3, depth=6, img_size=32, patch_size=4, num_classes=10, in_chans=1),
+    _SELF_NORMALISED,
 )
-register(
-    "deit_test",
-    DeiT,
-    family="deit",
-    tiny=True,
-    description="tiny DeiT for tests (dim 32, 2 heads, depth 3, 16x16, patch 4)",
-    embed_dim=32,
-    num_heads=2,
-    depth=3,
-    img_size=16,
-    patch_size=4,
-    num_classes=5,
+PRESETS["deit_test"] = (
+    "tiny DeiT for tests (dim 32, 2 heads, depth 3, 16x16, patch 4)",
+    dict(embed_dim=32, num_heads=2, depth=3, img_size=16, patch_size=4, num_classes=5),
+    _SELF_NORMALISED,
 )
+
+for _name, (_description, _defaults, _) in PRESETS.items():
+    register(_name, DeiT, family="deit", description=_description, tiny=_name == "deit_test", **_defaults)
+
+
+# --------------------------------------------------------------------------- timm registry
+
+
+def _pretrained_cfg(name: str) -> dict[str, Any]:
+    _, defaults, (mean, std) = PRESETS[name]
+    side = defaults.get("img_size", 224)
+    return {
+        "url": "",
+        "input_size": (defaults.get("in_chans", 3), side, side),
+        "mean": mean,
+        "std": std,
+        "num_classes": defaults.get("num_classes", 1000),
+        "interpolation": "bicubic",
+        "crop_pct": 1.0 if side < 224 else 0.875,
+        "first_conv": "patch_embed.proj",
+        "classifier": ("head", "head_dist") if defaults.get("distilled") else "head",
+    }
+
+
+# timm's register_model reads each architecture's pretrained cfg from this module's
+# ``default_cfgs``; it is the only name timm looks for here.
+default_cfgs = {name: _pretrained_cfg(name) for name in PRESETS}
+
+
+def _timm_entrypoint(name: str) -> Any:
+    def build(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        kwargs.pop("pretrained_cfg", None)
+        kwargs.pop("pretrained_cfg_overlay", None)
+        kwargs.pop("cache_dir", None)
+        if pretrained:
+            raise ValueError(
+                f"{name}: leanformer presets have no published weights; load a trained checkpoint "
+                "with leanformer.load_model(PATH)"
+            )
+        from leanformer.models.registry import create_model
+
+        model = create_model(name, **kwargs)
+        model.pretrained_cfg = model.default_cfg = dict(default_cfgs[name], architecture=name)
+        return model
+
+    build.__name__ = build.__qualname__ = name
+    build.__module__ = __name__
+    return build
+
+
+def _register_in_timm() -> None:
+    import timm
+    from timm.models import register_model
+
+    for name in PRESETS:
+        if not timm.is_model(name):
+            register_model(_timm_entrypoint(name))
+
+
+_register_in_timm()

@@ -204,7 +204,7 @@ class VisualPerceiver(nn.Module):
         or packed ``[T, C]`` latents of variable-length inputs with ``ragged``."""
         z = self.cross.finish(queries, mixed)
         for blk in self.blocks:
-            z, _ = blk(z, ragged=ragged) if ragged is not None else blk(z)
+            z = blk(z, ragged=ragged) if ragged is not None else blk(z)
         return z
 
     def decode(self, latents: Tensor, ragged: RaggedBatch | None = None) -> Tensor:

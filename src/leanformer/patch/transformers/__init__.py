@@ -1,4 +1,5 @@
-"""Adapters for Hugging Face ``transformers`` models.
+"""Hugging Face ``transformers`` models as hosts of leanformer's methods: token pooling on
+the ViT family (``vit``) and ENACT on DETR's encoder (``detr``).
 
 ``transformers`` is an optional extra: ``pip install 'leanformer[transformers]'``.
 """
@@ -14,5 +15,6 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 from leanformer.patch.transformers.detr import apply_enact, remove_enact
+from leanformer.patch.transformers.vit import adapt, supported_models
 
-__all__ = ["apply_enact", "remove_enact"]
+__all__ = ["adapt", "apply_enact", "remove_enact", "supported_models"]

@@ -1,0 +1,247 @@
+"""The host adapter: what a token reduction needs from a third-party vision transformer.
+
+A reduction needs four things from a host, and nothing else:
+
+1. per block, the pre-norm attention half run from the host's own submodules, with
+   token sizes (``log(size)`` key bias) and, when asked, the attention each token
+   received (:class:`BlockParts`, :func:`attention_half`);
+2. where the MLP half of the block starts (the reducer sits between the two halves);
+3. how many prefix tokens (class, distillation, register) precede the patch tokens;
+4. how the final representation is pooled, so an average or an attention pool over
+   pooled tokens can weigh each token by its size (:meth:`HostAdapter.install_pool`).
+
+One :class:`HostAdapter` per host family (``leanformer.patch.timm``,
+``leanformer.patch.transformers``) answers those; :func:`patch_host` then installs one
+reducer per block by overriding each block's ``forward`` on the instance. The blocks,
+their classes and the state-dict keys stay the host's own, and
+:func:`unpatch_host` deletes the overrides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from leanformer.layers.pooling_state import ReducePosition, TokenPooling
+from leanformer.layers.reducer import reduce_tokens
+
+Override = tuple[nn.Module, str, Any]  # set on the instance, deleted to undo
+
+# attention(normed x [B, N, C], sizes [B, N] | None, need_received) -> (out [B, N, C], received [B, N] | None)
+AttentionFn = Callable[[Tensor, Tensor | None, bool], tuple[Tensor, Tensor | None]]
+
+
+class UnsupportedHostError(ValueError):
+    """The model is not one the adapters know how to patch (the message names the library)."""
+
+
+@dataclass(frozen=True)
+class BlockParts:
+    """A pre-norm block ``x + attn_post(attn(norm1(x)))``, then ``x + mlp_post(mlp(norm2(x)))``.
+
+    Every field is the host's own submodule (or a function over them, for the attention).
+    """
+
+    norm1: nn.Module
+    attention: AttentionFn
+    attn_post: tuple[nn.Module, ...]  # e.g. LayerScale then drop-path, in call order
+    norm2: nn.Module
+    mlp: nn.Module
+    mlp_post: tuple[nn.Module, ...]
+
+
+def _chain(x: Tensor, modules: Sequence[nn.Module]) -> Tensor:
+    for m in modules:
+        x = m(x)
+    return x
+
+
+def pooled_block_forward(
+    parts: BlockParts,
+    x: Tensor,
+    sizes: Tensor | None,
+    reducer: nn.Module | None,
+    num_prefix: int,
+    reduce_at: ReducePosition,
+) -> tuple[Tensor, Tensor | None]:
+    """One host block with a reducer after its attention (or after its MLP).
+
+    ``x [B, N, C]``, ``sizes [B, N] | None`` -> ``(x [B, N', C], sizes [B, N'] | None)``.
+    """
+    need_received = reducer is not None and bool(getattr(reducer, "needs_received", False))
+    attn_out, received = parts.attention(parts.norm1(x), sizes, need_received)
+    x = x + _chain(attn_out, parts.attn_post)
+    if reducer is not None and reduce_at == "attn":
+        x, sizes = reduce_tokens(reducer, x, sizes, received, num_prefix)
+    x = x + _chain(parts.mlp(parts.norm2(x)), parts.mlp_post)
+    if reducer is not None and reduce_at == "mlp":
+        # Scores still come from this block's attention: the token set is unchanged.
+        x, sizes = reduce_tokens(reducer, x, sizes, received, num_prefix)
+    return x, sizes
+
+
+def _no_extra_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    return None
+
+
+@dataclass
+class HostAdapter:
+    """What one host model offers a reduction (built by a library's ``adapt`` function).
+
+    ``owner`` is the module that registers ``token_pooling`` (the model the user passed,
+    so ``.train()``/``.eval()``/``.to()`` reach the reducers); ``blocks`` are the
+    transformer blocks in order; ``parts(block)`` describes one block;
+    ``check_call(args, kwargs)`` refuses extra block arguments (masks) the pooled block
+    cannot honour; ``pool_overrides`` make the final pooling weigh tokens by size.
+    """
+
+    library: str  # "timm 1.0.31", "transformers 5.23.0": named in every error
+    owner: nn.Module
+    blocks: list[nn.Module]
+    parts: Callable[[nn.Module], BlockParts]
+    num_prefix: int
+    num_tokens: int
+    grid_size: tuple[int, int]
+    dim: int
+    check_call: Callable[[tuple[Any, ...], dict[str, Any]], None] = _no_extra_arguments
+    # Size-aware final pooling: (module, attribute, replacement) given the pooling state.
+    pool_overrides: Callable[[TokenPooling], list[Override]] = lambda pooling: []
+
+    def error(self, msg: str) -> UnsupportedHostError:
+        return UnsupportedHostError(f"token pooling cannot patch this model ({self.library}): {msg}")
+
+
+class _PooledForward:
+    """The ``forward`` a patched block gets: the generic pooled block over the host's parts.
+
+    Sizes pass from block to block through ``pooling.sizes`` (the host's own loop over its
+    blocks only hands on the hidden states); the first block starts without sizes.
+    """
+
+    def __init__(self, block: nn.Module, index: int, pooling: TokenPooling, adapter: HostAdapter) -> None:
+        self.block = block
+        self.index = index
+        self.pooling = pooling
+        self.parts = adapter.parts(block)
+        self.check_call = adapter.check_call
+
+    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        self.check_call(args, kwargs)
+        pooling = self.pooling
+        sizes = None if self.index == 0 else pooling.sizes
+        x, sizes = pooled_block_forward(
+            self.parts, x, sizes, pooling.reducer(self.index), pooling.num_prefix, pooling.reduce_at
+        )
+        pooling.sizes = sizes
+        return x
+
+
+def is_host_patched(adapter: HostAdapter) -> bool:
+    return isinstance(getattr(adapter.owner, "token_pooling", None), TokenPooling) or any(
+        isinstance(b.__dict__.get("forward"), _PooledForward) for b in adapter.blocks
+    )
+
+
+def check_unpatched(adapter: HostAdapter) -> None:
+    if is_host_patched(adapter):
+        raise UnsupportedHostError(
+            f"token pooling is already applied to this model ({adapter.library}); "
+            "call remove_token_pooling(model) before patching it again"
+        )
+
+
+def patch_host(adapter: HostAdapter, pooling: TokenPooling) -> nn.Module:
+    """Install ``pooling`` on the host described by ``adapter``; returns the owner model.
+
+    Everything installed is an instance attribute (a block's ``forward``, a pooling
+    function) recorded in ``pooling.overrides``, so removing it is deleting those
+    attributes, and a deep copy of a patched model carries its own record.
+    """
+    check_unpatched(adapter)
+    owner = adapter.owner
+    ref = next(owner.parameters(), None)
+    if ref is not None:
+        pooling.to(device=ref.device)
+    pooling.train(owner.training)  # modes follow the host from the start
+    overrides: list[Override] = [
+        (block, "forward", _PooledForward(block, i, pooling, adapter))
+        for i, block in enumerate(adapter.blocks)
+    ]
+    overrides += adapter.pool_overrides(pooling)
+    for module, name, value in overrides:
+        module.__dict__[name] = value
+    pooling.overrides = [(module, name) for module, name, _ in overrides]
+    owner.token_pooling = pooling
+    return owner
+
+
+def unpatch_host(adapter: HostAdapter) -> nn.Module:
+    """Undo :func:`patch_host`: the host's own class methods apply again."""
+    owner = adapter.owner
+    pooling = getattr(owner, "token_pooling", None)
+    if not isinstance(pooling, TokenPooling):
+        raise ValueError(f"this model has no token pooling to remove ({adapter.library})")
+    for module, name in pooling.overrides:
+        module.__dict__.pop(name, None)
+    del owner.token_pooling
+    return owner
+
+
+def install_reducers(
+    host: HostAdapter,
+    reducers: Sequence[nn.Module | None],
+    *,
+    reduce_at: ReducePosition = "attn",
+    method: str | None = None,
+    keep: Any = None,
+    carry: bool = False,
+    options: dict[str, Any] | None = None,
+) -> nn.Module:
+    """Patch ``host`` with one reducer (or None) per block; ``method``/``keep``/``carry``/
+    ``options`` record how they were built (``method=None``: by hand, budget fixed)."""
+    check_unpatched(host)
+    if len(reducers) != len(host.blocks):
+        raise ValueError(f"got {len(reducers)} reducers for a model with {len(host.blocks)} blocks")
+    pooling = TokenPooling(
+        reducers,
+        num_prefix=host.num_prefix,
+        num_tokens=host.num_tokens,
+        dim=host.dim,
+        grid_size=host.grid_size,
+        reduce_at=reduce_at,
+        method=method,
+        keep=keep,
+        carry=carry,
+        options=options,
+    )
+    return patch_host(host, pooling)
+
+
+def install(
+    host: HostAdapter,
+    *,
+    keep: Any,
+    method: str,
+    carry: bool,
+    reduce_at: ReducePosition,
+    **options: Any,
+) -> nn.Module:
+    """Build ``method``'s reducers for ``host`` under ``keep`` and patch it."""
+    from leanformer.layers.token_pooling import build_reducers
+
+    reducers = build_reducers(
+        method=method,
+        keep=keep,
+        depth=len(host.blocks),
+        num_tokens=host.num_tokens,
+        dim=host.dim,
+        grid_size=host.grid_size,
+        carry=carry,
+        **options,
+    )
+    return install_reducers(
+        host, reducers, reduce_at=reduce_at, method=method, keep=keep, carry=carry, options=options
+    )

@@ -1,0 +1,115 @@
+"""``model.token_pooling``: the reducers a patch installs, and the budget, changeable at run time.
+
+``model.token_pooling.keep = 0.5`` (or a per-block list, a preset name, ``{"r": 16}``)
+rebuilds the reducers for the new budget: the value is validated against the host's
+depth and token count first, so a bad budget raises and leaves the old one in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from leanformer.layers.reducer import ReducePosition, TokenReducer
+
+__all__ = ["ReducePosition", "TokenPooling"]
+
+
+class TokenPooling(nn.Module):
+    """One reducer (or none) per host block, registered on the model as ``token_pooling``.
+
+    Being a child of the model, its reducers are trained, saved, moved and switched
+    between train and eval mode with the model. ``sizes`` holds the token sizes after the
+    last block of the latest forward (``[B, N'] | None``), for a size-weighted final pool.
+    """
+
+    def __init__(
+        self,
+        reducers: Sequence[nn.Module | None],
+        *,
+        num_prefix: int,
+        num_tokens: int,
+        dim: int,
+        grid_size: tuple[int, int],
+        reduce_at: ReducePosition = "attn",
+        method: str | None = None,
+        keep: Any = None,
+        carry: bool = False,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if reduce_at not in ("attn", "mlp"):
+            raise ValueError(f"reduce_at must be 'attn' or 'mlp', got {reduce_at!r}")
+        self.depth = len(reducers)
+        self.num_prefix = num_prefix
+        self.num_tokens = num_tokens
+        self.dim = dim
+        self.grid_size = grid_size
+        self.reduce_at: ReducePosition = reduce_at
+        self.method = method
+        self.carry = carry
+        self.options = dict(options or {})
+        self._keep = keep
+        self.reducers = self._as_module_dict(reducers)
+        self.sizes: Tensor | None = None
+        self.overrides: list[tuple[nn.Module, str]] = []
+        # Follows the model's device, so reducers rebuilt for a new budget land there too.
+        self.register_buffer("_device_anchor", torch.empty(0), persistent=False)
+
+    @staticmethod
+    def _as_module_dict(reducers: Sequence[nn.Module | None]) -> nn.ModuleDict:
+        for i, r in enumerate(reducers):
+            if r is not None and not isinstance(r, TokenReducer):
+                raise TypeError(f"reducer for block {i} ({type(r).__name__}) is not a TokenReducer")
+        # ModuleDict keys must be strings; blocks without a reducer have no entry.
+        return nn.ModuleDict({str(i): r for i, r in enumerate(reducers) if r is not None})
+
+    def reducer(self, index: int) -> nn.Module | None:
+        key = str(index)
+        return self.reducers[key] if key in self.reducers else None  # noqa: SIM401 (ModuleDict has no get)
+
+    @property
+    def keep(self) -> Any:
+        """The budget as given (list, ratio, preset name, ``{"r": r}``)."""
+        return self._keep
+
+    @keep.setter
+    def keep(self, value: Any) -> None:
+        if self.method is None:
+            raise ValueError(
+                "these reducers were installed by hand (apply_reducers): re-patch to change them"
+            )
+        if self.method == "conv":
+            raise ValueError("conv layers are learned: re-patch to place them for another budget")
+        from leanformer.layers.token_pooling import build_reducers
+
+        reducers = build_reducers(  # raises on a bad budget before anything changes
+            method=self.method,
+            keep=value,
+            depth=self.depth,
+            num_tokens=self.num_tokens,
+            dim=self.dim,
+            grid_size=self.grid_size,
+            carry=self.carry,
+            **self.options,
+        )
+        fresh = self._as_module_dict(reducers).to(self._device_anchor.device)
+        fresh.train(self.training)
+        self.reducers = fresh
+        self._keep = value
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "keep": self._keep,
+            "carry": self.carry,
+            "reduce_at": self.reduce_at,
+            **self.options,
+        }
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.config.items())

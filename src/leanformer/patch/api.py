@@ -1,0 +1,78 @@
+"""``apply_token_pooling`` / ``remove_token_pooling`` / ``is_patched`` for any supported host.
+
+The host is recognised from the model's class: a timm ``VisionTransformer``
+(:mod:`leanformer.patch.timm`) or a Hugging Face ``transformers`` vision model
+(:mod:`leanformer.patch.transformers`). Anything else raises naming both libraries'
+installed versions.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from torch import nn
+
+from leanformer.layers.host_adapter import HostAdapter, UnsupportedHostError, install, unpatch_host
+from leanformer.layers.pooling_state import TokenPooling
+from leanformer.layers.reducer import ReducePosition
+
+__all__ = ["adapt", "apply_token_pooling", "is_patched", "remove_token_pooling"]
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def adapt(model: nn.Module) -> HostAdapter:
+    """The host adapter for ``model``, chosen by the library its class comes from."""
+    module = type(model).__module__
+    if module.startswith("transformers."):
+        from leanformer.patch.transformers import adapt as adapt_transformers
+
+        return adapt_transformers(model)
+    from timm.models.vision_transformer import VisionTransformer
+
+    if isinstance(model, VisionTransformer) or module.startswith("timm."):
+        from leanformer.layers.timm_host import adapt as adapt_timm
+
+        return adapt_timm(model)
+    raise UnsupportedHostError(
+        f"token pooling cannot patch a {type(model).__name__} (from {module}): supported hosts are "
+        f"timm VisionTransformer (timm {_version('timm')}) and Hugging Face ViT, DeiT, Dinov2, "
+        f"CLIP and SigLIP vision models (transformers {_version('transformers')})"
+    )
+
+
+def apply_token_pooling(
+    model: nn.Module,
+    *,
+    keep: Any,
+    method: str = "wkmedoids",
+    carry: bool = True,
+    reduce_at: ReducePosition = "attn",
+    **options: Any,
+) -> nn.Module:
+    """Insert a token reduction into a timm or Hugging Face vision transformer, in place.
+
+    ``keep``: per-block maxima (one int per block), a keep ratio in (0, 1], a named
+    schedule (e.g. ``"deit_s_level3"``) or ToMe's ``{"r": 16}`` (remove 16 tokens per
+    block), as in :func:`leanformer.layers.token_pooling.build_reducers`; change it
+    later with ``model.token_pooling.keep = ...``. ``method``: any name of
+    :func:`leanformer.layers.token_pooling.list_methods`. ``carry``: track token sizes
+    and weigh keys (and an average or attention pool) by them. Prefix tokens (class,
+    distillation, registers) are never pooled. Returns the model.
+    """
+    return install(adapt(model), keep=keep, method=method, carry=carry, reduce_at=reduce_at, **options)
+
+
+def remove_token_pooling(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply_token_pooling`: the host computes exactly what it did before."""
+    return unpatch_host(adapt(model))
+
+
+def is_patched(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "token_pooling", None), TokenPooling)
