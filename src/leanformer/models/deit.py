@@ -210,6 +210,21 @@ register(
     num_classes=10,
     in_chans=1,
 )
+# Real photographs at DeiT-S's token count: 28x28 Fashion-MNIST at patch 2 gives 14x14 = 196
+# patch tokens, so the Token Pooling paper's per-layer budgets apply unchanged.
+register(
+    "deit_fashion",
+    DeiT,
+    family="deit",
+    description="6-layer DeiT (dim 64, 2 heads) on 28x28 Fashion-MNIST, patch 2 (196 tokens + class token)",
+    embed_dim=64,
+    num_heads=2,
+    depth=6,
+    img_size=28,
+    patch_size=2,
+    num_classes=10,
+    in_chans=1,
+)
 register(
     "deit_test",
     DeiT,
