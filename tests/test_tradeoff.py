@@ -315,3 +315,18 @@ def test_registry_models_take_pooling() -> None:
     # the harness relies on the DeiT family building its reducers from pool/keep/carry
     model = create_model("deit_test", pool="merge", keep=0.5, carry=True)
     assert sum(b.reducer is not None for b in model.blocks) == 3
+
+
+def test_demo_falls_back_to_digits_with_a_one_line_hint(monkeypatch, capsys) -> None:
+    from leanformer.data import fashion_mnist
+    from leanformer.models import pretrained
+
+    monkeypatch.setattr(pretrained, "shipped_models", lambda: ["deit_fashion"])
+    monkeypatch.setattr(fashion_mnist, "default_roots", lambda: [])
+    assert demo_tokenpool.choose_data("auto") == "digits"
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "apt-get install dataset-fashion-mnist" in out[0]
+    assert demo_tokenpool.choose_data("fashion_mnist") == "fashion_mnist"
+    monkeypatch.setattr(fashion_mnist, "default_roots", lambda: [fashion_mnist.DEBIAN_DIR])
+    monkeypatch.setattr(fashion_mnist, "is_available", lambda root=None: True)
+    assert demo_tokenpool.choose_data("auto") == "fashion_mnist"

@@ -88,9 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def choose_data(requested: str) -> str:
     """``fashion_mnist`` or ``digits``; ``auto`` says in one line why it falls back to digits."""
     from leanformer.data.fashion_mnist import HOW_TO_GET, is_available
+    from leanformer.models.pretrained import shipped_models
 
     if requested != "auto":
         return requested
+    if "deit_fashion" not in shipped_models():
+        print("leanformer: this install has no deit_fashion weights, running the digits sweep")
+        return "digits"
     if is_available():
         return "fashion_mnist"
     print(f"leanformer: Fashion-MNIST is not installed, running the digits sweep; to get it: {HOW_TO_GET}")
