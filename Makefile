@@ -19,7 +19,19 @@ $(STAMP): pyproject.toml requirements.lock
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
+# The demo runs on Fashion-MNIST when it is installed; as root with apt-get it installs Debian's
+# package first (the four IDX files, 30 MB). Otherwise `leanformer demo` says how to get it and
+# runs the digits sweep.
+HAVE_FASHION := $(BIN)/python -c "import sys; from leanformer.data.fashion_mnist import is_available; sys.exit(not is_available())"
+
 demo: $(STAMP)
+	@$(HAVE_FASHION) || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "Fashion-MNIST is not installed: installing Debian's package dataset-fashion-mnist (apt-get)"; \
+	    apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 \
+	      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1; } \
+	      || echo "apt-get could not install dataset-fashion-mnist"; \
+	  fi; }
 	$(BIN)/leanformer demo
 
 lint: $(STAMP)

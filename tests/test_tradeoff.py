@@ -19,6 +19,7 @@ from leanformer.bench.tradeoff import (
     markdown_table,
     method_options,
     run_sweep,
+    summarise_seeds,
     sweep_config_from_dict,
     sweep_points,
     with_method,
@@ -84,8 +85,29 @@ def test_points_and_labels() -> None:
         }
     )
     points = sweep_points(cfg)
-    assert points[0] == ("none", None) and len(points) == 1 + 2 * 3
-    assert [budget_label(k) for _, k in points[1:4]] == ["a_preset", "r0.5", "4-2-1"]
+    assert points[0] == ("none", None, None) and len(points) == 1 + 2 * 3
+    assert [budget_label(k) for _, k, _ in points[1:4]] == ["a_preset", "r0.5", "4-2-1"]
+    # Random methods run once per seed; deterministic ones once.
+    seeded = sweep_points(
+        sweep_config_from_dict(
+            {"model": "deit_test", "methods": "merge,random", "budgets": [0.5], "seeds": 3}
+        )
+    )
+    assert seeded == [("none", None, None), ("merge", 0.5, None)] + [("random", 0.5, s) for s in range(3)]
+
+
+def test_seed_summary_averages_random_methods_and_keeps_the_spread() -> None:
+    rows = [
+        {"method": "none", "keep": "all", "top1": 90.0, "gflops": 1.0},
+        *(
+            {"method": "random", "keep": "r0.5", "top1": t, "gflops": 0.5, "seed": s}
+            for s, t in enumerate((70.0, 72.0, 74.0))
+        ),
+    ]
+    summary = summarise_seeds(rows)
+    assert [r["method"] for r in summary] == ["none", "random"]
+    assert summary[1]["top1"] == 72.0 and summary[1]["top1_std"] == 2.0 and summary[1]["seeds"] == 3
+    assert "72.00 ± 2.00 (3 seeds)" in markdown_table(summary)
 
 
 def test_with_method_copies_and_full_budget_is_identity() -> None:
@@ -184,8 +206,14 @@ def test_finetune_changes_weights(tmp_path: Path) -> None:
 
 def test_demo_preset_file_matches_demo() -> None:
     preset = yaml.safe_load((REPO / "configs" / "tradeoff_digits.yaml").read_text())
-    assert preset == demo_tokenpool.DEMO_SWEEP
+    assert preset == demo_tokenpool.DIGITS_SWEEP
     sweep_config_from_dict(preset)  # valid
+    # The Fashion-MNIST demo is the tradeoff_fashion preset on a 2,000-image subset.
+    fashion = yaml.safe_load((REPO / "configs" / "tradeoff_fashion.yaml").read_text())
+    demo = demo_tokenpool.FASHION_SWEEP
+    assert demo["model"] == fashion["model"] and demo["methods"] == fashion["methods"]
+    assert set(demo["budgets"]) <= set(fashion["budgets"]) and demo["tome_r"] == fashion["tome_r"]
+    assert demo["data"]["limit_test"] == 2000
 
 
 def test_tradeoff_unknown_preset() -> None:
@@ -248,6 +276,7 @@ def test_visualize_command_writes_pngs(tmp_path: Path) -> None:
     args = argparse.Namespace(
         checkpoint=None,
         model="deit_test",
+        pretrained=False,
         timm_model=None,
         method="kmedoids",
         keep=0.5,
@@ -288,3 +317,18 @@ def test_registry_models_take_pooling() -> None:
     # the harness relies on the DeiT family building its reducers from pool/keep/carry
     model = create_model("deit_test", pool="merge", keep=0.5, carry=True)
     assert len(model.token_pooling.reducers) == 3
+
+
+def test_demo_falls_back_to_digits_with_a_one_line_hint(monkeypatch, capsys) -> None:
+    from leanformer.data import fashion_mnist
+    from leanformer.models import pretrained
+
+    monkeypatch.setattr(pretrained, "shipped_models", lambda: ["deit_fashion"])
+    monkeypatch.setattr(fashion_mnist, "default_roots", lambda: [])
+    assert demo_tokenpool.choose_data("auto") == "digits"
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "apt-get install dataset-fashion-mnist" in out[0]
+    assert demo_tokenpool.choose_data("fashion_mnist") == "fashion_mnist"
+    monkeypatch.setattr(fashion_mnist, "default_roots", lambda: [fashion_mnist.DEBIAN_DIR])
+    monkeypatch.setattr(fashion_mnist, "is_available", lambda root=None: True)
+    assert demo_tokenpool.choose_data("auto") == "fashion_mnist"

@@ -30,6 +30,9 @@ from leanformer.config import DataConfig, RunConfig, from_dict, read_yaml_mappin
 from leanformer.progress import progress_bar
 
 BASELINE = "none"
+# ToMe's own budget form: `merge` removing a constant r tokens per block ({"r": r}), drawn as
+# its own line so it can be read against every method at the same GFLOPs.
+TOME = "tome"
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,8 @@ class SweepConfig:
     name: str = "tradeoff"
     # Exactly one base model source:
     checkpoint: str | None = None  # a leanformer checkpoint (.safetensors)
-    model: str | None = None  # a registry model, trained first with `train` (else evaluated untrained)
+    model: str | None = None  # a registry model: trained first with `train`, else its shipped weights
+    pretrained: bool = False  # model: load the weights shipped with leanformer (no training)
     timm_model: str | None = None  # a timm ViT/DeiT name
     timm_options: dict[str, Any] = field(default_factory=dict)  # kwargs for timm.create_model
     train: dict[str, Any] = field(default_factory=dict)  # RunConfig sections (optim, train, ...) for `model`
@@ -48,6 +52,8 @@ class SweepConfig:
     budgets: Any = None  # list of keep values: preset names, ratios, per-block lists
     carry: bool = True
     pool_options: dict[str, Any] = field(default_factory=dict)  # e.g. {max_iters: 5}
+    tome_r: Any = None  # list of r: `merge` in ToMe's form (r tokens removed per block), as method "tome"
+    seeds: int = 1  # runs of each random method (random, importance) at each budget, seeds 0..n-1
     finetune_epochs: int = 0
     finetune_lr: float = 1e-4
     throughput: bool = True
@@ -84,6 +90,8 @@ def validate(cfg: SweepConfig) -> None:
         raise ValueError("a sweep needs exactly one of checkpoint:, model: or timm_model:")
     if cfg.train and not cfg.model:
         raise ValueError("train: only applies to model: (a checkpoint or timm model is used as it is)")
+    if cfg.pretrained and (not cfg.model or cfg.train):
+        raise ValueError("pretrained: true applies to model: without train: (the shipped weights are used)")
     if cfg.timm_options and not cfg.timm_model:
         raise ValueError("timm_options: only applies to timm_model: (a checkpoint or model: ignores it)")
     from leanformer.layers.token_pooling import METHODS, pooling_method
@@ -98,10 +106,19 @@ def validate(cfg: SweepConfig) -> None:
     stray = sorted(set(cfg.pool_options) - accepted)
     if stray:
         raise ValueError(f"pool_options {', '.join(stray)} are not options of any requested method")
+    for r in tome_rs(cfg):
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"tome_r: must hold integers >= 1 (tokens removed per block), got {r!r}")
     if not budgets_of(cfg) and any(m != BASELINE for m in methods_of(cfg)):
         raise ValueError("budgets: is empty; give keep values (preset names, ratios or per-block lists)")
-    if cfg.finetune_epochs < 0 or cfg.throughput_runs < 1 or cfg.throughput_batch_size < 1:
-        raise ValueError("finetune_epochs must be >= 0, throughput_runs and throughput_batch_size >= 1")
+    if cfg.finetune_epochs < 0 or cfg.throughput_runs < 1 or cfg.throughput_batch_size < 1 or cfg.seeds < 1:
+        raise ValueError(
+            "finetune_epochs must be >= 0, seeds, throughput_runs and throughput_batch_size >= 1"
+        )
+    if cfg.pretrained:
+        from leanformer.models.pretrained import model_card
+
+        model_card(cfg.model)  # type: ignore[arg-type]
 
 
 def methods_of(cfg: SweepConfig) -> list[str]:
@@ -120,7 +137,8 @@ def method_options(cfg: SweepConfig, method: str) -> dict[str, Any]:
     """The ``pool_options`` that ``method`` takes (e.g. ``max_iters`` only reaches clustering)."""
     from leanformer.layers.token_pooling import METHODS
 
-    return {k: v for k, v in cfg.pool_options.items() if k in METHODS[method].options}
+    spec = METHODS["merge" if method == TOME else method]
+    return {k: v for k, v in cfg.pool_options.items() if k in spec.options}
 
 
 def budgets_of(cfg: SweepConfig) -> list[Any]:
@@ -130,10 +148,17 @@ def budgets_of(cfg: SweepConfig) -> list[Any]:
     return budgets
 
 
+def tome_rs(cfg: SweepConfig) -> list[Any]:
+    rs = cfg.tome_r if cfg.tome_r is not None else []
+    return rs if isinstance(rs, list) else [rs]
+
+
 def budget_label(keep: Any) -> str:
     """Short printable name of a keep value: the preset name, ``r0.7``, or ``64-48-32``."""
     if isinstance(keep, str):
         return keep
+    if isinstance(keep, dict) and set(keep) == {"r"}:
+        return f"{keep['r']}/block"
     if isinstance(keep, float):
         return f"r{keep:g}"
     if isinstance(keep, list | tuple):
@@ -141,14 +166,22 @@ def budget_label(keep: Any) -> str:
     return str(keep)
 
 
-def sweep_points(cfg: SweepConfig) -> list[tuple[str, Any]]:
-    """``(method, keep)`` for every point; the baseline has ``keep=None``."""
-    points: list[tuple[str, Any]] = []
+# Methods whose result depends on a random draw: measured once per seed.
+SEEDED_METHODS = ("random", "importance")
+
+
+def sweep_points(cfg: SweepConfig) -> list[tuple[str, Any, int | None]]:
+    """``(method, keep, seed)`` for every point, ``tome_r`` last (as method ``tome``); the
+    baseline has ``keep=None``; ``seed`` is None for deterministic methods and
+    ``0 .. seeds-1`` for the random ones."""
+    points: list[tuple[str, Any, int | None]] = []
     for method in methods_of(cfg):
         if method == BASELINE:
-            points.append((method, None))
-        else:
-            points.extend((method, keep) for keep in budgets_of(cfg))
+            points.append((method, None, None))
+            continue
+        seeds: list[int | None] = list(range(cfg.seeds)) if method in SEEDED_METHODS else [None]
+        points.extend((method, keep, seed) for keep in budgets_of(cfg) for seed in seeds)
+    points.extend((TOME, {"r": r}, None) for r in tome_rs(cfg))
     return points
 
 
@@ -172,7 +205,7 @@ def load_base_model(cfg: SweepConfig, *, out_dir: Path | None = None, progress: 
 
         result = fit(run_cfg, out_dir=None if out_dir is None else out_dir / "base", progress=progress)
         return result.model
-    return untrained_base_model(cfg).to(cfg.device)
+    return untrained_base_model(cfg, pretrained=cfg.pretrained).to(cfg.device)
 
 
 def base_run_config(cfg: SweepConfig) -> RunConfig:
@@ -202,6 +235,8 @@ def with_method(
         remove_token_pooling(model)
     if method == BASELINE:
         return model
+    if method == TOME:
+        method = "merge"
     check_poolable(type(model))
     return apply_token_pooling(model, keep=keep, method=method, carry=carry, **options)
 
@@ -331,20 +366,21 @@ def _clear_sweep_folder(out: Path) -> None:
         clear_run(out / "base")
 
 
-def untrained_base_model(cfg: SweepConfig) -> nn.Module:
-    """``model:`` as built for the sweep's data, before training: the shape of the base."""
+def untrained_base_model(cfg: SweepConfig, *, pretrained: bool = False) -> nn.Module:
+    """``model:`` as built for the sweep's data, before training: the shape of the base
+    (with ``pretrained``, the shipped weights: the base itself)."""
     from leanformer.engine.builders import build_model, build_split
 
     assert cfg.model is not None
     info = build_split(cfg.data, "test").info  # type: ignore[attr-defined]
     torch.manual_seed(cfg.seed)  # the untrained weights a sweep without train: evaluates
-    return build_model(cfg.model, {}, info)[0]
+    return build_model(cfg.model, {}, info, pretrained=pretrained)[0]
 
 
 def check_points(cfg: SweepConfig, base: nn.Module) -> None:
     """Build every ``(method, budget)`` variant of ``base`` once: a budget the model cannot
     take raises here (naming the point), before any work."""
-    for method, keep in sweep_points(cfg):
+    for method, keep, _ in sweep_points(cfg):
         try:
             with_method(base, method, keep, carry=cfg.carry, options=method_options(cfg, method))
         except ValueError as err:
@@ -407,10 +443,11 @@ def run_sweep(
     jsonl = (out / "results.jsonl").open("w") if out is not None else None
     try:
         bar = progress_bar(sweep_points(cfg), desc=f"sweep {cfg.name}", show=progress)
-        for method, keep in bar:
+        for method, keep, seed in bar:
             bar.set_postfix_str(f"{method} {budget_label(keep) if keep is not None else ''}".strip())
             torch.manual_seed(cfg.seed)
-            model = with_method(base, method, keep, carry=cfg.carry, options=method_options(cfg, method))
+            options = method_options(cfg, method) | ({} if seed is None else {"seed": seed})
+            model = with_method(base, method, keep, carry=cfg.carry, options=options)
             tuned = False
             if tune_loader is not None and method != BASELINE:
                 finetune(
@@ -424,6 +461,7 @@ def run_sweep(
                 "keep_value": keep,
                 "carry": cfg.carry if method != BASELINE else False,
                 "finetuned": tuned,
+                "seed": seed,
                 **measure_point(model, loader=test_loader, batch=batch, cfg=cfg),
                 "threads": torch.get_num_threads(),
             }
@@ -436,11 +474,11 @@ def run_sweep(
             jsonl.close()
     _add_relative(rows)
     if out is not None:
-        (out / "table.md").write_text(markdown_table(rows, title=cfg.name) + "\n")
+        (out / "table.md").write_text(markdown_table(summarise_seeds(rows), title=cfg.name) + "\n")
         (out / "sweep.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
         from leanformer.bench.plots import plot_tradeoff
 
-        plot_tradeoff(rows, out / "tradeoff.png", title=cfg.name)
+        plot_tradeoff(summarise_seeds(rows), out / "tradeoff.png", title=cfg.name)
     return SweepResult(rows=rows, out_dir=out, base=base)
 
 
@@ -456,6 +494,25 @@ def _add_relative(rows: list[dict[str, Any]]) -> None:
             r["speedup"] = r["img_per_s"] / ref["img_per_s"]
 
 
+def summarise_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per ``(method, keep, finetuned)``: the mean over seeds of every number, and
+    ``top1_std`` / ``seeds`` where a random method ran more than once (first-seen order)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["method"], r["keep"], r.get("finetuned")), []).append(r)
+    summary = []
+    for members in groups.values():
+        row = dict(members[0])
+        if len(members) > 1:
+            for key, value in row.items():
+                if isinstance(value, float) and all(isinstance(m.get(key), float) for m in members):
+                    row[key] = sum(m[key] for m in members) / len(members)
+            tops = torch.tensor([m["top1"] for m in members], dtype=torch.float64)
+            row.update(top1_std=float(tops.std()), seeds=len(members), seed=None)
+        summary.append(row)
+    return summary
+
+
 def _fmt(value: Any, spec: str) -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
@@ -469,7 +526,8 @@ def markdown_table(rows: list[dict[str, Any]], *, title: str | None = None) -> s
             "| {method} | {keep} | {top1} | {d} | {g} | {fr} | {ips} | {sp} | {tok} |".format(
                 method=r["method"] + (" (ft)" if r.get("finetuned") else ""),
                 keep=r["keep"],
-                top1=_fmt(r["top1"], ".2f"),
+                top1=_fmt(r["top1"], ".2f")
+                + (f" ± {r['top1_std']:.2f} ({r['seeds']} seeds)" if "top1_std" in r else ""),
                 d=_fmt(r.get("d_top1"), "+.2f"),
                 g=_fmt(r["gflops"], ".4f" if r["gflops"] < 0.1 else ".3f"),
                 fr=_fmt(r.get("flops_ratio"), ".2f"),

@@ -66,6 +66,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, model_required: bool
         metavar="KEY=VALUE",
         help="model constructor option (repeatable), e.g. --opt depth=6",
     )
+    group.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="load the weights shipped with leanformer (see `leanformer models --pretrained`)",
+    )
     group.add_argument("--pool", help="token pooling method (DeiT): wkmedoids, kmeans, powerbert, merge, ...")
     group.add_argument(
         "--keep", type=parse_keep, help="token budget: preset name, keep ratio or per-layer list"

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     options = model_options(args)
     torch.manual_seed(args.seed)
-    refuse_beside_checkpoint(args, "--model")
+    refuse_beside_checkpoint(args, "--model", "--pretrained")
     if args.checkpoint:
         from leanformer.engine.checkpoint import load_model
 
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         accepted = accepted_options(model_info(name).cls) or set()
         if args.img_size is not None and "img_size" in accepted:
             options.setdefault("img_size", args.img_size)
-        model = create_model(name, **options)
+        model = create_model(name, pretrained=args.pretrained, **options)
     else:
         raise ValueError("give --model NAME or --checkpoint PATH")
     model = model.to(args.device).eval()

@@ -46,7 +46,9 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
     overrides = {**data_overrides(args), **dotted_overrides(args.extra)}
     if args.checkpoint:
         hint = " (change the model with --pool/--keep/--opt KEY=VALUE)"
-        refuse_beside_checkpoint(args, "--model", "--config", names="model and config", hint=hint)
+        refuse_beside_checkpoint(
+            args, "--model", "--config", "--pretrained", names="model and config", hint=hint
+        )
         meta = read_checkpoint_meta(args.checkpoint)
         cfg = from_dict(RunConfig, meta["config"])
         cfg = apply_overrides(cfg, overrides) if overrides else cfg
@@ -62,12 +64,15 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
     if host_name(args):
         return _host_config(args, overrides)
     if not args.model:
-        raise ValueError("give --checkpoint PATH (a trained run), --model NAME, --timm-model or --hf-model")
+        raise ValueError(
+            "give --checkpoint PATH (a trained run), --model NAME [--pretrained], --timm-model or --hf-model"
+        )
 
     cfg = load_config(args.config, {"model": args.model, **overrides})
     info = build_split(cfg.data, args.split).info  # type: ignore[attr-defined]
     torch.manual_seed(args.seed)
-    model, _ = build_model(cfg.model, {**cfg.model_options, **model_options(args)}, info)
+    options = {**cfg.model_options, **model_options(args)}
+    model, _ = build_model(cfg.model, options, info, pretrained=args.pretrained)
     return cfg, model.to(args.device)
 
 

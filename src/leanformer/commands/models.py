@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 
+from leanformer.models.pretrained import shipped_models
 from leanformer.models.registry import list_models, model_info
 
 COMMAND = ("models",)
@@ -14,6 +15,9 @@ HELP = "list registered models"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("pattern", nargs="?", help="glob filter, e.g. 'deit_*'")
     parser.add_argument("--family", help="only this family (deit, sret, perceiver, detr, drrt, ...)")
+    parser.add_argument(
+        "--pretrained", action="store_true", help="only models whose weights ship with leanformer"
+    )
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -24,16 +28,26 @@ def run(args: argparse.Namespace) -> list[dict]:
             hint = f"did you mean {', '.join(close)}? " if close else ""
             raise ValueError(f"unknown family {args.family!r}; {hint}families: {', '.join(families)}")
     names = list_models(args.pattern, family=args.family)
+    shipped = set(shipped_models())
+    if args.pretrained:
+        names = [n for n in names if n in shipped]
     rows = []
     for name in names:
         entry = model_info(name)
         rows.append(
-            {"model": name, "family": entry.family, "tiny": entry.tiny, "description": entry.description}
+            {
+                "model": name,
+                "family": entry.family,
+                "tiny": entry.tiny,
+                "pretrained": name in shipped,
+                "description": entry.description,
+            }
         )
     if not args.json:
         width = max((len(r["model"]) for r in rows), default=5)
         for r in rows:
-            print(f"{r['model']:<{width}}  {r['family']:<10} {r['description']}")
+            mark = " [pretrained]" if r["pretrained"] else ""
+            print(f"{r['model']:<{width}}  {r['family']:<10} {r['description']}{mark}")
         if not rows:
             print("no models match")
     return rows

@@ -69,7 +69,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.bench.tradeoff import load_sweep_config, markdown_table, run_sweep
+    from leanformer.bench.tradeoff import load_sweep_config, markdown_table, run_sweep, summarise_seeds
 
     path = Path(args.config) if args.config else find_preset(args.preset)
     cfg = load_sweep_config(path, overrides_from_args(args))
@@ -78,6 +78,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     out = Path(args.out) if args.out is not None else Path("runs") / cfg.name
     result = run_sweep(cfg, out_dir=out, progress=not (args.quiet or args.json), overwrite=args.overwrite)
     if not args.json:
-        print(markdown_table(result.rows, title=cfg.name))
+        print(markdown_table(summarise_seeds(result.rows), title=cfg.name))
         print(f"\nwrote {out / 'results.jsonl'}, {out / 'table.md'}, {out / 'tradeoff.png'}")
     return result.rows

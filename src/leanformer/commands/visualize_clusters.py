@@ -112,11 +112,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--checkpoint", help="trained leanformer checkpoint (e.g. from the token-pooling demo)")
     src.add_argument("--model", help="registry model (untrained unless --checkpoint)")
     src.add_argument("--timm-model", help="timm ViT/DeiT name (pretrained=False: random weights)")
+    parser.add_argument(
+        "--pretrained", action="store_true", help="with --model: the weights shipped with leanformer"
+    )
     parser.add_argument("--method", default="wkmedoids", help="pooling method (default: wkmedoids)")
     parser.add_argument("--keep", type=parse_keep, default=0.7, help="budget (ratio, preset, list)")
     parser.add_argument("--layer", type=int, default=-1, help="block whose output to show (default: last)")
     parser.add_argument("--no-carry", action="store_true", help="do not carry token sizes")
-    parser.add_argument("--data", default="digits", help="dataset to draw examples from (default: digits)")
+    parser.add_argument(
+        "--data",
+        help="dataset to draw examples from (default: a --pretrained model's own, else digits)",
+    )
     parser.add_argument("--data-root", help="dataset folder (cifar10 / imagefolder)")
     parser.add_argument(
         "--img-size",
@@ -142,7 +148,7 @@ def _build(args: argparse.Namespace, info: Any) -> nn.Module:
         )
     from leanformer.engine.builders import build_model
 
-    return build_model(args.model or "deit_digits", {}, info)[0]
+    return build_model(args.model or "deit_digits", {}, info, pretrained=args.pretrained)[0]
 
 
 def _img_size(args: argparse.Namespace, trained: nn.Module | None) -> int | None:
@@ -176,12 +182,17 @@ def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.data.registry import build_dataset
     from leanformer.engine.builders import check_data_fits
     from leanformer.layers.budgets import resolve_keep
+    from leanformer.models.pretrained import model_card
 
     if args.num_examples < 1:
         raise ValueError(f"--num-examples must be >= 1, got {args.num_examples}")
     ignored = [flag for flag in ("--keep", "--no-carry") if given(args, flag)]
     if args.method == BASELINE and ignored:
         raise ValueError(f"{' and '.join(ignored)} cannot be combined with --method none: nothing is pooled")
+    if args.pretrained and not args.model:
+        raise ValueError("--pretrained goes with --model (a checkpoint or timm model brings its own weights)")
+    if args.data is None:
+        args.data = model_card(args.model)["data"]["name"] if args.pretrained else "digits"
     options: dict[str, Any] = {"root": args.data_root} if args.data_root else {}
     trained = None
     if args.checkpoint:

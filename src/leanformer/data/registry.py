@@ -17,7 +17,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-SPLITS = ("train", "test")
+SPLITS = ("train", "test")  # every dataset has these; a builder may add more in ``builder.splits``
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,10 @@ def build_dataset(name: str, *, split: str, **options: Any) -> Dataset:
         close = difflib.get_close_matches(name, sorted(_BUILDERS), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(_BUILDERS))}"
         raise ValueError(f"unknown dataset {name!r}{hint}")
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     builder = _BUILDERS[name]
+    splits = getattr(builder, "splits", SPLITS)
+    if split not in splits:
+        raise ValueError(f"dataset {name!r} has splits {', '.join(splits)}; got {split!r}")
     params = inspect.signature(builder).parameters
     required = [
         p

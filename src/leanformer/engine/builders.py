@@ -78,8 +78,11 @@ def model_options_for_data(name: str, options: dict[str, Any], info: DatasetInfo
 
 
 def build_model(
-    name: str, options: dict[str, Any], info: DatasetInfo | None = None
+    name: str, options: dict[str, Any], info: DatasetInfo | None = None, *, pretrained: bool = False
 ) -> tuple[nn.Module, dict]:
-    """``(model, resolved_options)``; the resolved options rebuild the same model later."""
+    """``(model, resolved_options)``; the resolved options rebuild the same model later.
+
+    ``pretrained`` loads the weights shipped with the package (see ``models/pretrained.py``).
+    """
     resolved = model_options_for_data(name, options, info)
-    return create_model(name, **resolved), resolved
+    return create_model(name, pretrained=pretrained, **resolved), resolved

@@ -174,6 +174,13 @@ PRESETS["deit_digits"] = (
     dict(embed_dim=96, num_heads=3, depth=6, img_size=32, patch_size=4, num_classes=10, in_chans=1),
     _SELF_NORMALISED,
 )
+# Real photographs at DeiT-S's token count: 28x28 Fashion-MNIST at patch 2 gives 14x14 = 196
+# patch tokens, so the Token Pooling paper's per-layer budgets apply unchanged.
+PRESETS["deit_fashion"] = (
+    "6-layer DeiT (dim 64, 2 heads) on 28x28 Fashion-MNIST, patch 2 (196 tokens + class token)",
+    dict(embed_dim=64, num_heads=2, depth=6, img_size=28, patch_size=2, num_classes=10, in_chans=1),
+    ((0.2860,), (0.3530,)),  # the fashion_mnist data set's normalisation
+)
 PRESETS["deit_test"] = (
     "tiny DeiT for tests (dim 32, 2 heads, depth 3, 16x16, patch 4)",
     dict(embed_dim=32, num_heads=2, depth=3, img_size=16, patch_size=4, num_classes=5),
@@ -213,14 +220,11 @@ def _timm_entrypoint(name: str) -> Any:
         kwargs.pop("pretrained_cfg", None)
         kwargs.pop("pretrained_cfg_overlay", None)
         kwargs.pop("cache_dir", None)
-        if pretrained:
-            raise ValueError(
-                f"{name}: leanformer presets have no published weights; load a trained checkpoint "
-                "with leanformer.load_model(PATH)"
-            )
         from leanformer.models.registry import create_model
 
-        model = create_model(name, **kwargs)
+        # pretrained=True loads the weights shipped with leanformer (and refuses a preset
+        # without them, naming those that have them).
+        model = create_model(name, pretrained=pretrained, **kwargs)
         model.pretrained_cfg = model.default_cfg = dict(default_cfgs[name], architecture=name)
         return model
 

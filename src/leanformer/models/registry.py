@@ -131,12 +131,24 @@ def model_info(name: str) -> ModelEntry:
         raise ValueError(f"unknown model {name!r}{hint}") from None
 
 
-def create_model(name: str, **overrides: Any) -> nn.Module:
-    """Build registered model ``name``; ``overrides`` replace its defaults."""
+def create_model(name: str, *, pretrained: bool = False, **overrides: Any) -> nn.Module:
+    """Build registered model ``name``; ``overrides`` replace its defaults.
+
+    ``pretrained=True`` loads the weights shipped with the package (checked against
+    their SHA-256); a model without shipped weights raises a ValueError.
+    """
     entry = model_info(name)
     _check_options(name, entry.cls, overrides)
+    if pretrained:
+        from leanformer.models.pretrained import model_card
+
+        model_card(name)  # fail before building when nothing is shipped
     model = entry.cls(**{**entry.defaults, **overrides})
     model.leanformer_name = name  # type: ignore[assignment]
+    if pretrained:
+        from leanformer.models.pretrained import load_pretrained
+
+        load_pretrained(model, name)
     return model
 
 

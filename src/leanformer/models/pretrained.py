@@ -1,0 +1,68 @@
+"""Weights shipped inside the package, verified by SHA-256 before they are loaded.
+
+A shipped model ``NAME`` is two files in ``leanformer/models/weights/``: ``NAME.safetensors``
+(the state dict) and ``NAME.json`` (its card: the recipe and data it was trained with,
+its measured top-1, the file's SHA-256). Nothing is downloaded, ever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file
+from torch import nn
+
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+
+
+def shipped_models() -> list[str]:
+    """Names of the models whose weights ship with the package."""
+    cards = WEIGHTS_DIR.glob("*.json")
+    return sorted(p.stem for p in cards if (WEIGHTS_DIR / f"{p.stem}.safetensors").is_file())
+
+
+def model_card(name: str) -> dict[str, Any]:
+    """The card of shipped model ``name``; a ValueError naming the shipped ones otherwise."""
+    path = WEIGHTS_DIR / f"{name}.json"
+    if not path.is_file() or not (WEIGHTS_DIR / f"{name}.safetensors").is_file():
+        shipped = ", ".join(shipped_models()) or "none"
+        raise ValueError(f"model {name!r} has no shipped weights (pretrained=True works for: {shipped})")
+    return json.loads(path.read_text())
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_pretrained(model: nn.Module, name: str) -> nn.Module:
+    """Load the shipped weights of ``name`` into ``model`` (built with the entry's defaults).
+
+    Checks the file against the SHA-256 on its card first, so a damaged or replaced file
+    is an error, never a silently wrong model.
+    """
+    card = model_card(name)
+    path = WEIGHTS_DIR / f"{name}.safetensors"
+    actual = file_sha256(path)
+    if actual != card["sha256"]:
+        raise ValueError(
+            f"shipped weights {path.name} fail their SHA-256 check (expected {card['sha256'][:16]}..., "
+            f"got {actual[:16]}...): the file is damaged or was replaced; reinstall leanformer"
+        )
+    state = load_file(str(path))
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # an option changed a trained tensor's shape
+        detail = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), "")
+        raise ValueError(f"the shipped weights of {name} do not fit the options given ({detail})") from None
+    if unexpected:
+        raise ValueError(f"the shipped weights of {name} hold tensors the model lacks: {unexpected[:5]}")
+    # Options may add parameters (e.g. a learned conv downsampler): they keep their init.
+    model.leanformer_missing_keys = list(missing)  # type: ignore[assignment]
+    return model
