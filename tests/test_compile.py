@@ -80,8 +80,7 @@ def test_schedule_covers_every_method() -> None:
 @pytest.mark.slow
 def test_every_method_compiles_fullgraph_and_matches_eager_in_our_deit() -> None:
     model = create_model("deit_test", depth=len(SCHEDULE) + 1, img_size=32)
-    for block, reducer in zip(model.blocks, _reducers(SCHEDULE, 64, 32, (8, 8)), strict=True):
-        block.set_reducer(reducer)
+    apply_reducers(model, _reducers(SCHEDULE, 64, 32, (8, 8)))
     _compare(_peaked(model), torch.randn(3, 3, 32, 32))
 
 
