@@ -43,7 +43,7 @@ def test_timm_create_model_builds_registered_presets_with_pretrained_cfg() -> No
     assert timm.create_model("deit_test", num_classes=3).num_classes == 3
     small = timm.models.get_pretrained_cfg("deit_small")
     assert small.input_size == (3, 224, 224) and small.mean == (0.485, 0.456, 0.406)
-    with pytest.raises(ValueError, match="no published weights"):
+    with pytest.raises(ValueError, match="'deit_test' has no shipped weights"):
         timm.create_model("deit_test", pretrained=True)
 
 

@@ -64,7 +64,7 @@ def test_bench_hf_detr_reports_dense_and_enact(capsys, monkeypatch):
         (["--hf-model", "detr", "--model", "deit_test"], "does not take --model"),
         (["--hf-model", "detr", "--attention", "dense"], "--attention enact, not 'dense'"),
         (["--hf-model", "detr", "--opt", "bakbone=resnet18"], "DetrConfig has no field bakbone"),
-        (["--hf-model", "vit"], "bench knows detr, got 'vit'"),
+        (["--hf-model", "vit"], "'vit' is not a transformers model class"),
         (["--model", "deit_test", "--img-size", "32x48"], "--img-size HxW is for --hf-model detr"),
     ],
 )

@@ -88,6 +88,8 @@ class DeiT(VisionTransformer):
         size = to_2tuple(img_size)
         if min(size) < patch_size:
             raise ValueError(f"img_size {size} is smaller than one patch ({patch_size})")
+        if size[0] % patch_size or size[1] % patch_size:
+            raise ValueError(f"img_size {size} is not a multiple of the patch size {patch_size}")
         head_dim(embed_dim, num_heads)
         super().__init__(
             img_size=size,
