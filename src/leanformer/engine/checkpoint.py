@@ -26,6 +26,7 @@ from safetensors.torch import save as serialize
 from torch import Tensor, nn
 
 from leanformer.errors import UnverifiedCheckpointWarning
+from leanformer.models.state_loading import load_state_lenient
 
 FORMAT = "leanformer-checkpoint-1"
 META_KEY = "leanformer"
@@ -296,14 +297,12 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", **overri
     if name is None:
         raise ValueError(f"checkpoint {path} does not name its model")
     model = create_model(name, **{**options, **overrides})
-    try:
-        missing, unexpected = model.load_state_dict(_model_state(tensors), strict=False)
-    except RuntimeError as exc:  # a size mismatch: an override changed a trained tensor's shape
-        changed = ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none"
-        detail = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), "")
-        raise ValueError(
-            f"the weights in {path} do not fit {name} with the options {changed} ({detail})"
-        ) from None
+    changed = ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none"
+    missing, unexpected = load_state_lenient(
+        model,
+        _model_state(tensors),
+        mismatch=f"the weights in {path} do not fit {name} with the options {changed}",
+    )
     if missing and not overrides:
         raise ValueError(f"checkpoint {path} lacks weights the model needs: {', '.join(missing[:5])}")
     if unexpected:

@@ -15,6 +15,8 @@ from typing import Any
 from safetensors.torch import load_file
 from torch import nn
 
+from leanformer.models.state_loading import load_state_lenient
+
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
 
@@ -56,11 +58,9 @@ def load_pretrained(model: nn.Module, name: str) -> nn.Module:
             f"got {actual[:16]}...): the file is damaged or was replaced; reinstall leanformer"
         )
     state = load_file(str(path))
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # an option changed a trained tensor's shape
-        detail = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), "")
-        raise ValueError(f"the shipped weights of {name} do not fit the options given ({detail})") from None
+    missing, unexpected = load_state_lenient(
+        model, state, mismatch=f"the shipped weights of {name} do not fit the options given"
+    )
     if unexpected:
         raise ValueError(f"the shipped weights of {name} hold tensors the model lacks: {unexpected[:5]}")
     # Options may add parameters (e.g. a learned conv downsampler): they keep their init.
