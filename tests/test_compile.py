@@ -36,6 +36,7 @@ SCHEDULE = (
     "random",
     "importance",
     "merge",
+    "stepmerge",
 )
 
 

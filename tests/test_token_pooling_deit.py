@@ -62,7 +62,7 @@ def _token_counts(model: nn.Module, x: torch.Tensor) -> list[tuple[int, torch.Te
 
 
 @pytest.mark.parametrize(
-    "method", ["kmedoids", "wkmeans", "wkmedoids", "powerbert", "random", "importance", "merge"]
+    "method", ["kmedoids", "wkmeans", "wkmedoids", "powerbert", "random", "importance", "merge", "stepmerge"]
 )
 def test_counts_follow_the_schedule_and_class_token_is_kept(method: str) -> None:
     torch.manual_seed(0)
@@ -72,7 +72,7 @@ def test_counts_follow_the_schedule_and_class_token_is_kept(method: str) -> None
     assert [n for n, _ in counts] == [1 + 12, 1 + 12, 1 + 5]  # min(K_l, tokens so far)
     for _, sizes in counts:
         assert sizes is not None and (sizes[:, 0] == 1).all()  # the class token stands for itself
-        if method in ("kmedoids", "wkmeans", "wkmedoids", "merge"):
+        if method in ("kmedoids", "wkmeans", "wkmedoids", "merge", "stepmerge"):
             torch.testing.assert_close(sizes[:, 1:].sum(1), torch.full((2,), 16.0))  # mass is conserved
     # The class token goes through untouched by the reducer: compare with the unpooled first block.
     plain = create_model("deit_test").eval()
@@ -92,7 +92,7 @@ def test_budget_that_never_binds_is_the_plain_model() -> None:
     torch.testing.assert_close(pooled(x), plain(x))
 
 
-@pytest.mark.parametrize("method", ["kmeans", "wkmedoids", "powerbert", "random", "merge"])
+@pytest.mark.parametrize("method", ["kmeans", "wkmedoids", "powerbert", "random", "merge", "stepmerge"])
 def test_reducer_k_at_least_n_is_identity(method: str) -> None:
     (reducer,) = build_reducers(method=method, keep=[0.5], depth=1, num_tokens=16, dim=8, grid_size=(4, 4))
     assert reducer is not None
@@ -107,7 +107,7 @@ def test_reducer_k_at_least_n_is_identity(method: str) -> None:
 
 def test_batched_equals_per_sample_in_a_reducer() -> None:
     x, rec = _tokens(b=3)
-    for method in ("kmeans", "wkmedoids", "powerbert", "importance", "merge"):
+    for method in ("kmeans", "wkmedoids", "powerbert", "importance", "merge", "stepmerge"):
         (reducer,) = build_reducers(method=method, keep=[5], depth=1, num_tokens=16, dim=8, grid_size=(4, 4))
         assert reducer is not None
         reducer.eval()
@@ -146,6 +146,7 @@ def test_significance_scores_only_where_needed() -> None:
     }
     assert needs["wkmedoids"] == [True, True] and needs["powerbert"] == [True, True]
     assert needs["random"] == [False, False] and needs["merge"] == [False, False]
+    assert needs["stepmerge"] == [False, False]
     assert needs["conv"] == [False, False]
     assert not ClusterPooling(keep=4, weighted=False, init="random").needs_received
     with pytest.raises(ValueError, match="attention received"):

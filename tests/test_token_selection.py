@@ -81,14 +81,15 @@ def test_selection_bad_k() -> None:
 # ------------------------------------------------------------------------------ merging
 
 
-def ref_bipartite(x: torch.Tensor, sizes: list[float], k: int) -> list[list[int]]:
-    """One example, loops: groups of original token indices after ToMe rounds down to k."""
+def ref_bipartite(x: torch.Tensor, sizes: list[float], k: int, fraction: float = 0.5) -> list[list[int]]:
+    """One example, loops: groups of original token indices after ToMe rounds down to k,
+    each round removing at most ``fraction`` of its tokens (at least one)."""
     groups = [[i] for i in range(x.shape[0])]
     feats = [x[i].clone() for i in range(x.shape[0])]
     w = list(sizes)
     while len(groups) > k:
         n = len(groups)
-        r = min(n - k, n // 2)
+        r = min(n - k, max(1, int(n * fraction + 1e-9)))
         a_ids, b_ids = list(range(0, n, 2)), list(range(1, n, 2))
         best = []
         for a in a_ids:
@@ -113,14 +114,15 @@ def ref_bipartite(x: torch.Tensor, sizes: list[float], k: int) -> list[list[int]
     return groups
 
 
+@pytest.mark.parametrize("fraction", [0.5, 0.25, 0.1])
 @pytest.mark.parametrize("k", [1, 3, 6, 9, 10])
-def test_bipartite_merge_matches_reference(k: int) -> None:
+def test_bipartite_merge_matches_reference(k: int, fraction: float) -> None:
     g = torch.Generator().manual_seed(k)
     x = torch.randn(3, 10, 4, generator=g, dtype=torch.float64)
     sizes = torch.randint(1, 4, (3, 10), generator=g).to(torch.float64)
-    assign = bipartite_merge_plan(x, k, sizes=sizes)
+    assign = bipartite_merge_plan(x, k, sizes=sizes, round_fraction=fraction)
     for b in range(3):
-        groups = ref_bipartite(x[b], sizes[b].tolist(), k)
+        groups = ref_bipartite(x[b], sizes[b].tolist(), k, fraction)
         got = [sorted(i for i in range(10) if assign[b, i] == j) for j in range(k)]
         assert got == groups
     out, out_sizes = weighted_segment_mean(x, sizes, assign, k)
@@ -128,9 +130,22 @@ def test_bipartite_merge_matches_reference(k: int) -> None:
     assert out.shape == (3, k, 4)
 
 
-def test_bipartite_merge_bad_k() -> None:
+def test_bipartite_merge_bad_k_and_fraction() -> None:
     with pytest.raises(ValueError, match="merged tokens"):
         bipartite_merge_plan(torch.randn(1, 4, 2), 0)
+    for fraction in (0.0, 0.6):
+        with pytest.raises(ValueError, match="round_fraction"):
+            bipartite_merge_plan(torch.randn(1, 4, 2), 2, round_fraction=fraction)
+
+
+def test_smaller_rounds_differ_from_tome_only_where_a_round_hits_its_cap() -> None:
+    """Removing 2 of 12 tokens is one round either way; removing 6 is one ToMe round
+    (all of A) but two quarter rounds (3 + 3), which may pair tokens differently."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 12, 4, generator=g)
+    assert torch.equal(bipartite_merge_plan(x, 10), bipartite_merge_plan(x, 10, round_fraction=0.25))
+    tome, steps = bipartite_merge_plan(x, 6), bipartite_merge_plan(x, 6, round_fraction=0.25)
+    assert not torch.equal(tome, steps)
 
 
 def test_gather_tokens_from_a_prefix_stripped_view() -> None:

@@ -332,3 +332,25 @@ def test_demo_falls_back_to_digits_with_a_one_line_hint(monkeypatch, capsys) -> 
     monkeypatch.setattr(fashion_mnist, "default_roots", lambda: [fashion_mnist.DEBIAN_DIR])
     monkeypatch.setattr(fashion_mnist, "is_available", lambda root=None: True)
     assert demo_tokenpool.choose_data("auto") == "fashion_mnist"
+
+
+# Base-GFLOPs fractions the tradeoff_fashion budgets are chosen to land on (pruning, which
+# adds no FLOPs of its own; the other methods add their planning cost on top).
+FASHION_TARGETS = {0.97: 0.9, 0.9: 0.7, 0.8: 0.5, 0.68: 0.35, 0.62: 0.3, 0.5: 0.23}
+FASHION_TOME_TARGETS = {7: 0.9, 19: 0.7, 31: 0.5}
+
+
+def test_fashion_preset_budgets_land_on_their_gflops() -> None:
+    from leanformer.bench.flops import count_gflops
+
+    preset = yaml.safe_load((REPO / "configs" / "tradeoff_fashion.yaml").read_text())
+    assert sorted(preset["budgets"]) == sorted(FASHION_TARGETS)
+    assert sorted(preset["tome_r"]) == sorted(FASHION_TOME_TARGETS)
+    x = torch.randn(1, 1, 28, 28)
+    base = count_gflops(create_model(preset["model"]), (x,))
+    for ratio, target in FASHION_TARGETS.items():
+        model = create_model(preset["model"], pool="powerbert", keep=ratio, carry=True)
+        assert count_gflops(model, (x,)) / base == pytest.approx(target, rel=0.05), ratio
+    for r, target in FASHION_TOME_TARGETS.items():
+        model = create_model(preset["model"], pool="merge", keep={"r": r}, carry=True)
+        assert count_gflops(model, (x,)) / base == pytest.approx(target, rel=0.05), r

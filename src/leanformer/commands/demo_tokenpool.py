@@ -23,7 +23,17 @@ COMMAND = ("demo", "tokenpool")
 HELP = "compare every token-pooling method at several budgets (Fashion-MNIST if installed, else digits)"
 DEFAULT = True
 
-_METHODS = ["wkmedoids", "kmedoids", "wkmeans", "kmeans", "powerbert", "importance", "random", "merge"]
+_METHODS = [
+    "wkmedoids",
+    "kmedoids",
+    "wkmeans",
+    "kmeans",
+    "powerbert",
+    "importance",
+    "random",
+    "merge",
+    "stepmerge",
+]
 
 FASHION_SWEEP: dict[str, Any] = {
     "name": "demo_fashion",

@@ -17,6 +17,7 @@ Methods (``method=`` of :func:`build_reducers`, ``pool=`` of the DeiT models):
 ``importance``  draw K tokens without replacement, probability proportional to the score
 ``conv``        learned 2x2 stride-2 convolution on the token grid (appendix D)
 ``merge``       ToMe-style bipartite soft matching (size-weighted merges)
+``stepmerge``   bipartite merging in rounds of at most a quarter of the tokens
 ``none``        no reduction
 ==============  ===========================================================================
 
@@ -237,17 +238,27 @@ class TokenSelection(_Seeded, _Reducer):
 
 class TokenMerging(_Reducer):
     """ToMe-style bipartite soft matching down to K tokens; merged features and sizes
-    are size-weighted means and sums."""
+    are size-weighted means and sums. ``round_fraction``: the most one matching round may
+    remove (ToMe: 0.5; see :mod:`leanformer.ops.merging`)."""
 
     needs_received = False
+
+    def __init__(self, *, keep: Budget, carry: bool = False, round_fraction: float = 0.5) -> None:
+        super().__init__(keep=keep, carry=carry)
+        if not 0.0 < round_fraction <= 0.5:
+            raise ValueError(f"round_fraction must be in (0, 0.5], got {round_fraction!r}")
+        self.round_fraction = round_fraction
 
     def _reduce(
         self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int
     ) -> tuple[Tensor, Tensor | None, Tensor]:
-        assign = bipartite_merge_plan(tokens, k, sizes=sizes)
+        assign = bipartite_merge_plan(tokens, k, sizes=sizes, round_fraction=self.round_fraction)
         w = sizes if sizes is not None else tokens.new_ones(tokens.shape[:2])
         out, out_sizes = weighted_segment_mean(tokens, w.to(tokens.dtype), assign, k)
         return out, (out_sizes if sizes is not None else None), assign
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, round_fraction={self.round_fraction}"
 
 
 class ConvDownsample(_Reducer):
@@ -366,6 +377,11 @@ METHODS: dict[str, PoolingMethod] = {
             "merge",
             "ToMe bipartite soft matching",
             lambda *, keep, carry: TokenMerging(keep=keep, carry=carry),
+        ),
+        PoolingMethod(
+            "stepmerge",
+            "bipartite merging in rounds of at most a quarter of the tokens",
+            lambda *, keep, carry: TokenMerging(keep=keep, carry=carry, round_fraction=0.25),
         ),
         PoolingMethod(
             "conv", "learned 2x2 stride-2 conv on the token grid", lambda **_: nn.Identity(), ("layers",)

@@ -5,6 +5,12 @@ links every A token to its most similar B token (cosine similarity), and merges 
 ``r`` best-linked A tokens into their B partners. Rounds repeat until ``K`` tokens are
 left (one round removes at most ``N // 2``), so any budget can be reached.
 
+``round_fraction`` caps what one round may remove (ToMe: one half). Near the cap a round
+must merge almost every A token, however poorly it matches; a smaller cap (``stepmerge``:
+a quarter) merges only the best-matching A tokens per round and re-splits the rest for
+the next round, where tokens that sat together in B can meet. Each extra round costs one
+more ``[N/2, N/2]`` similarity product.
+
 The plan is an assignment ``[B, N] -> [0, K)`` computed without gradient; merged
 features are the size-weighted means of their members (ToMe's weighted average), which
 :func:`leanformer.ops.clustering.weighted_segment_mean` applies with gradient.
@@ -13,6 +19,8 @@ reducer does not see).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -45,22 +53,28 @@ def _bipartite_round(x: Tensor, r: int) -> Tensor:
 
 
 @torch.no_grad()
-def bipartite_merge_plan(x: Tensor, k: int, *, sizes: Tensor | None = None) -> Tensor:
+def bipartite_merge_plan(
+    x: Tensor, k: int, *, sizes: Tensor | None = None, round_fraction: float = 0.5
+) -> Tensor:
     """Assignment ``[B, N]`` of every token to one of ``min(k, N)`` merged tokens (``k >= 1``).
 
     ``sizes [B, N]`` weight the means between rounds (ones when None). ``k >= N`` merges
-    nothing: the identity assignment.
+    nothing: the identity assignment. One round removes at most ``round_fraction`` of the
+    tokens it sees (at least one), ``0 < round_fraction <= 0.5``.
     """
     B, N, _ = x.shape
     if k < 1:
         raise ValueError(f"number of merged tokens must be at least 1, got {k}")
+    if not 0.0 < round_fraction <= 0.5:
+        raise ValueError(f"round_fraction must be in (0, 0.5], got {round_fraction}")
     x = x.detach()
     w = torch.ones(B, N, dtype=x.dtype, device=x.device) if sizes is None else sizes.detach().to(x.dtype)
     assign = torch.arange(N, device=x.device).expand(B, N)
     n = N
     cur, cur_w = x, w
     while n > k:
-        r = min(n - k, n // 2)
+        # Shapes only (no data): the number of rounds is fixed, so this compiles unrolled.
+        r = min(n - k, max(1, math.floor(n * round_fraction + 1e-9)))
         step = _bipartite_round(cur, r)
         assign = step.gather(1, assign)
         n -= r

@@ -1,0 +1,87 @@
+"""Turn a finished training run into weights shipped with the package.
+
+    python tools/ship_weights.py RUN_DIR NAME
+
+Writes ``src/leanformer/models/weights/NAME.safetensors`` (the model's state dict, float32)
+and ``NAME.json`` (its card: the recipe, the data, the run's top-1 on the validation and
+test splits, the file's SHA-256). Evaluates both splits itself, so the card's figures
+are those of the file it describes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import timm
+import torch
+import yaml
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+
+import leanformer
+from leanformer.config import DataConfig
+from leanformer.engine.builders import build_split
+from leanformer.engine.checkpoint import load_model, resolve_checkpoint
+from leanformer.engine.evaluate import evaluate
+from leanformer.models.pretrained import WEIGHTS_DIR, file_sha256
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("name")
+    parser.add_argument("--recipe", default="configs/train_deit_fashion.yaml")
+    args = parser.parse_args()
+
+    config = yaml.safe_load((args.run_dir / "config.yaml").read_text())
+    metrics = [json.loads(line) for line in (args.run_dir / "metrics.jsonl").read_text().splitlines()]
+    model = load_model(resolve_checkpoint(args.run_dir)).eval()
+    data = config["data"]
+    top1 = {}
+    for split in ("val", "test"):
+        cfg = DataConfig(name=data["name"], root=data["root"], options=data["options"])
+        dataset = build_split(cfg, split)
+        loader = DataLoader(dataset, batch_size=500)
+        top1[split] = round(evaluate(model, loader, progress=True, desc=split)["top1"], 2)
+        print(f"{split}: top-1 {top1[split]:.2f}% on {len(dataset)} images")
+
+    WEIGHTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = WEIGHTS_DIR / f"{args.name}.safetensors"
+    state = {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(path), metadata={"model": args.name})
+    path.chmod(0o644)  # package data: readable by every user of an installed copy
+    card = {
+        "model": args.name,
+        "model_options": {k: v for k, v in config["model_options"].items()},
+        "top1": top1["test"],
+        "top1_val": top1["val"],
+        "data": {
+            "name": data["name"],
+            "train": "the first 50,000 training images, random 2-pixel shifts and left-right flips",
+            "val": "the last 10,000 training images (held out)",
+            "test": "the 10,000 test images",
+        },
+        "recipe": {
+            "command": f"leanformer train --config {args.recipe}",
+            "epochs": len(metrics),
+            "epoch_seconds": [round(m["epoch_seconds"]) for m in metrics],
+            "config": config,
+        },
+        "versions": {
+            "leanformer": leanformer.__version__,
+            "torch": torch.__version__,
+            "timm": timm.__version__,
+            "python": platform.python_version(),
+        },
+        "dtype": "float32",
+        "sha256": file_sha256(path),
+    }
+    (WEIGHTS_DIR / f"{args.name}.json").write_text(json.dumps(card, indent=2) + "\n")
+    print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB) and its card")
+
+
+if __name__ == "__main__":
+    main()
