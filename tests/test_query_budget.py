@@ -22,7 +22,7 @@ def test_only_models_with_integer_queries_have_a_budget() -> None:
     assert query_budget(perceiver) == perceiver.num_queries == 8
     for other in (create_model("deit_test"), _NamedLikeAPerceiver(), object()):
         assert not has_query_budget(other)
-        with pytest.raises(ValueError, match=r"needs a Visual Perceiver \(a model with latent queries\); .* has none"):
+        with pytest.raises(ValueError, match=r"needs a Visual Perceiver \(a model with latent queries\)"):
             query_budget(other, needed_by="train.query_masking")
 
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from leanformer.commands import given
 from leanformer.commands._options import keep_argument
-from leanformer.layers.budgets import KEEP_HELP, KeepSchedule
+from leanformer.layers.budgets import KEEP_HELP, KeepSchedule, parse_keep
 
 COMMAND = ("visualize", "clusters")
 HELP = "colour the token clusters of a token-pooled model over input images (PNG per example)"
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     base = (trained if trained is not None else _build(args, data.info)).to(args.device).eval()
     check_data_fits(type(base), data.info, name=getattr(base, "leanformer_name", None))
     grid = _grid_of(base)
-    keep: KeepSchedule = args.keep
+    keep = parse_keep(args.keep)  # already a KeepSchedule from the command line; as is then
     budgets = keep.per_block(depth=len(base.blocks), num_tokens=grid[0] * grid[1])  # type: ignore[arg-type]
     if any(isinstance(b, int) and b < 1 for b in budgets):
         raise ValueError(
