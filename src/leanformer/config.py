@@ -169,7 +169,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if key not in hints:
             raise _unknown_key(full, cls)
         annotation = hints[key]
-        if dataclasses.is_dataclass(annotation):
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             kwargs[key] = from_dict(annotation, value or {}, prefix=f"{full}.")
         else:
             kwargs[key] = _coerce(value, annotation, full)

@@ -31,6 +31,7 @@ from leanformer.bench.flops import count_gflops
 from leanformer.bench.plots import save_figure, style_accuracy_axis
 from leanformer.bench.timing import time_interleaved
 from leanformer.engine.evaluate import evaluate
+from leanformer.models.perceiver import VisualPerceiver
 from leanformer.models.query_budget import query_budget
 from leanformer.ops.query_selection import bucket_counts, kept_positions, select_queries
 
@@ -106,7 +107,7 @@ def cost_by_k(
     ks = check_ks(model, ks)
     fns = {k: (lambda k=k: model(batch, num_queries=k)) for k in ks}
     with torch.inference_mode():
-        seconds = time_interleaved(fns, warmup=warmup, runs=runs)  # type: ignore[arg-type]
+        seconds = time_interleaved(fns, warmup=warmup, runs=runs)
     full = seconds[max(ks)]
     return [
         {
@@ -136,7 +137,10 @@ def dqs_sweep(
         counts: list[Tensor] = []
 
         def collect(m: nn.Module, counts: list[Tensor] = counts) -> None:
-            counts.append(m.last_kept_counts.detach().float().cpu())  # type: ignore[union-attr]
+            assert isinstance(m, VisualPerceiver)
+            kept = m.last_kept_counts
+            assert kept is not None  # a DQS forward sets it
+            counts.append(kept.detach().float().cpu())
 
         m = evaluate(
             model,
@@ -163,7 +167,7 @@ def dqs_sweep(
 
 @torch.inference_mode()
 def dqs_timing(
-    model: nn.Module,
+    model: VisualPerceiver,
     batch: Tensor,
     threshold: float,
     *,
@@ -186,8 +190,8 @@ def dqs_timing(
     assert counts is not None
     k_avg = float(counts.float().mean())
     k_fixed = min(total, max(1, round(k_avg)))
-    queries = model.candidate_queries(len(batch))  # type: ignore[operator]
-    mixed = model.cross.mix(queries, model.embed(batch))  # type: ignore[union-attr, operator]
+    queries = model.candidate_queries(len(batch))
+    mixed = model.cross.mix(queries, model.embed(batch))
 
     padding = float(getattr(model, "dqs_max_padding", 0.0))
     buckets = bucket_counts(counts, max_padding=padding)
@@ -208,7 +212,7 @@ def dqs_timing(
         warmup=warmup,
         runs=runs,
     )
-    row = {
+    row: dict[str, Any] = {
         "threshold": threshold,
         "rule": rule,
         "batch_size": len(batch),

@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     img_size = _img_size(args, trained)
     if img_size is not None:
         options["img_size"] = img_size
-    data = build_dataset(args.data, split="test", **options)
+    data: Any = build_dataset(args.data, split="test", **options)  # a Dataset with info and a length
     torch.manual_seed(args.seed)
     base = (trained if trained is not None else _build(args, data.info)).to(args.device).eval()
     check_data_fits(type(base), data.info, name=getattr(base, "leanformer_name", None))
@@ -245,5 +245,6 @@ def run(args: argparse.Namespace) -> list[dict]:
 def _grid_of(model: nn.Module) -> tuple[int, int]:
     grid = getattr(model, "grid_size", None)
     if grid is None:
-        grid = model.patch_embed.grid_size
+        patch_embed: Any = model.patch_embed  # a timm ViT's
+        grid = patch_embed.grid_size
     return int(grid[0]), int(grid[1])

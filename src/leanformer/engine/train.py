@@ -15,7 +15,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -292,7 +292,7 @@ def fit(
         # Dropout / drop-path randomness differs per process, as in any DDP run.
         torch.manual_seed(cfg.seed * 1000 + 1 + dist_info.rank)
 
-        start_epoch, history = 0, []
+        start_epoch, history = 0, cast(list[dict[str, Any]], [])
         if resume and out is not None and (out / CHECKPOINT_NAME).exists():
             ckpt = load_checkpoint(out / CHECKPOINT_NAME)
             saved_options = parse_model_options(ckpt.meta.get("model_options", {}))
@@ -375,7 +375,7 @@ def fit(
                     "train_loss": train_loss,
                     "top1": metrics["top1"],
                     "test_loss": metrics["loss"],
-                    "lr": scheduler.get_last_lr()[0],
+                    "lr": float(scheduler.get_last_lr()[0]),
                     "epoch_seconds": time.perf_counter() - started,
                 }
                 history.append(metrics)

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from leanformer.layers.budgets import KeepLike, KeepSchedule, parse_keep
 from leanformer.layers.pooling_state import ReducePosition, TokenPooling
-from leanformer.layers.reducer import reduce_tokens
+from leanformer.layers.reducer import TokenReducer, reduce_tokens
 
 Override = tuple[nn.Module, str, Any]  # set on the instance, deleted to undo
 
@@ -64,7 +64,7 @@ def pooled_block_forward(
     parts: BlockParts,
     x: Tensor,
     sizes: Tensor | None,
-    reducer: nn.Module | None,
+    reducer: TokenReducer | None,
     num_prefix: int,
     reduce_at: ReducePosition,
 ) -> tuple[Tensor, Tensor | None]:

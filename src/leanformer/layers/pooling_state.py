@@ -10,7 +10,7 @@ bad budget raises and leaves the old one in place. Reading it gives the parsed
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -70,9 +70,10 @@ class TokenPooling(nn.Module):
         # ModuleDict keys must be strings; blocks without a reducer have no entry.
         return nn.ModuleDict({str(i): r for i, r in enumerate(reducers) if r is not None})
 
-    def reducer(self, index: int) -> nn.Module | None:
+    def reducer(self, index: int) -> TokenReducer | None:
         key = str(index)
-        return self.reducers[key] if key in self.reducers else None  # noqa: SIM401 (ModuleDict has no get)
+        # Every entry passed the TokenReducer check in _as_module_dict.
+        return cast(TokenReducer, self.reducers[key]) if key in self.reducers else None
 
     @property
     def keep(self) -> KeepSchedule | None:
@@ -100,7 +101,7 @@ class TokenPooling(nn.Module):
             carry=self.carry,
             **self.options,
         )
-        fresh = self._as_module_dict(reducers).to(self._device_anchor.device)
+        fresh = self._as_module_dict(reducers).to(self.get_buffer("_device_anchor").device)
         fresh.train(self.training)
         self.reducers = fresh
         self._keep = schedule

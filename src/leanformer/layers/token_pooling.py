@@ -274,6 +274,7 @@ class ConvDownsample(_Reducer):
             self.conv.weight.zero_()
             eye = torch.eye(dim)[:, :, None, None].expand(dim, dim, 2, 2)
             self.conv.weight.copy_(eye / 4.0)
+            assert self.conv.bias is not None  # Conv2d's default bias=True
             self.conv.bias.zero_()
 
     def grid_for(self, n: int) -> tuple[int, int]:

@@ -228,7 +228,8 @@ def _timm_entrypoint(name: str) -> Any:
         # pretrained=True loads the weights shipped with leanformer (and refuses a preset
         # without them, naming those that have them).
         model = create_model(name, pretrained=pretrained, **kwargs)
-        model.pretrained_cfg = model.default_cfg = dict(default_cfgs[name], architecture=name)
+        cfg = dict(default_cfgs[name], architecture=name)
+        model.pretrained_cfg = model.default_cfg = cfg  # type: ignore[assignment]
         return model
 
     build.__name__ = build.__qualname__ = name

@@ -121,7 +121,7 @@ class VisualPerceiver(nn.Module):
         # Ordered latent queries: query i is used whenever K > i.
         self.queries = nn.Parameter(torch.zeros(num_queries, embed_dim))
         dpr = torch.linspace(0, drop_path_rate, depth + 2).tolist()
-        common = dict(
+        common: dict[str, Any] = dict(
             qkv_bias=qkv_bias, init_values=init_values, proj_drop=drop_rate, attn_drop=attn_drop_rate
         )
         self.cross = CrossAttentionBlock(
