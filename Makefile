@@ -37,9 +37,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/python -m mypy
 
+# The type checker reads its settings (files, libraries without types) from pyproject.toml.
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q
 
 clean:

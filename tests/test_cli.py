@@ -53,11 +53,11 @@ def test_bench_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
         ),
         (
             ["bench", "--model", "deit_test", "--pool", "powerbert", "--keep", "4,x"],
-            "entry 2 ('x') is neither a token count nor a ratio",
+            "entry 2 ('x') is neither a token count (int) nor a ratio (float)",
         ),
         (
             ["bench", "--model", "deit_test", "--pool", "powerbert", "--keep", "0.5,1.5,1"],
-            "keep[1] (block 1): a keep ratio must be in (0, 1], got 1.5",
+            "keep[1] (block 1): a keep ratio (float) must be in (0, 1], got 1.5",
         ),
         # --img-size used to be reported but unused beside --feature-size.
         (

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from leanformer.config import RunConfig, apply_overrides, load_config
+from leanformer.layers.budgets import parse_keep
 
 
 def test_yaml_then_overrides(tmp_path: Path) -> None:
@@ -15,7 +16,7 @@ def test_yaml_then_overrides(tmp_path: Path) -> None:
     cfg = load_config(path, {"optim.lr": "3e-4", "model_options.keep": "[4, 2]", "train.grad_clip": "none"})
     assert cfg.model == "deit_test" and cfg.optim.epochs == 3
     assert cfg.optim.lr == pytest.approx(3e-4)
-    assert cfg.model_options == {"depth": 2, "keep": [4, 2]}
+    assert cfg.model_options == {"depth": 2, "keep": parse_keep([4, 2])}
     assert cfg.train.grad_clip is None
 
 

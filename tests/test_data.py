@@ -83,6 +83,27 @@ def test_imagefolder(tmp_path: Path) -> None:
         build_dataset("imagefolder", split="train", root=str(tmp_path / "train" / "cat"))
 
 
+def test_imagefolder_pixels_match_a_plain_pil_reference(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()  # a class with no images yet keeps its index
+    (tmp_path / "c").mkdir()
+    Image.fromarray(pixels).save(tmp_path / "a" / "0.png")
+    Image.fromarray(pixels[::-1].copy()).save(tmp_path / "c" / "0.gif")
+    (tmp_path / "c" / "notes.txt").write_text("not an image")
+    ds = build_dataset("imagefolder", split="train", root=str(tmp_path), img_size=6)
+    assert ds.info.num_classes == 3 and [int(y) for _, y in ds] == [0, 2]
+    resized = Image.fromarray(pixels).resize((6, 6), Image.Resampling.BICUBIC)
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    expected = torch.from_numpy(np.asarray(resized, dtype=np.float32) / 255.0).permute(2, 0, 1)
+    expected = (expected - mean[:, None, None]) / std[:, None, None]
+    torch.testing.assert_close(ds[0][0], expected)
+    (tmp_path / "empty" / "x").mkdir(parents=True)
+    with pytest.raises(ValueError, match="no images"):
+        build_dataset("imagefolder", split="train", root=str(tmp_path / "empty"), img_size=6)
+
+
 def test_global_batches_split_across_ranks_exactly() -> None:
     single = list(GlobalBatchSampler(10, batch_size=4, shuffle=True, seed=3))
     ranks = [

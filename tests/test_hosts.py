@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 import leanformer
 from leanformer.bench.flops import count_gflops
+from leanformer.layers.budgets import parse_keep
 from leanformer.layers.token_pooling import list_methods
 
 transformers = pytest.importorskip("transformers")
@@ -255,7 +256,7 @@ def test_runtime_budget_changes_gflops_and_bad_budget_keeps_the_old_one() -> Non
     for bad, match in (([4, 4], "3 blocks"), (1.5, r"\(0, 1\]"), ({"r": -1}, ">= 0"), ("levl3", "preset")):
         with pytest.raises(ValueError, match=match):
             model.token_pooling.keep = bad
-        assert model.token_pooling.keep == 0.5 and model.token_pooling.reducers is before
+        assert model.token_pooling.keep == parse_keep(0.5) and model.token_pooling.reducers is before
     assert gflops() == pytest.approx(half)
 
 

@@ -4,8 +4,6 @@ reversibility and the refusals. Models are built with ``pretrained=False`` and s
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import timm
 import torch
@@ -21,7 +19,6 @@ from leanformer.patch.timm import (
 )
 
 SMALL = dict(pretrained=False, depth=3, img_size=32, patch_size=8, num_classes=7)  # 16 patch tokens
-HAS_POOLING = importlib.util.find_spec("leanformer.layers.token_pooling") is not None
 
 
 def _vit(name: str = "vit_tiny_patch16_224", **kw) -> nn.Module:
@@ -210,7 +207,6 @@ def test_refuses_unknown_block_forward() -> None:
         apply_reducers(model, [None] * 3)
 
 
-@pytest.mark.skipif(not HAS_POOLING, reason="token pooling reducers not installed")
 @pytest.mark.parametrize("method", ["wkmedoids", "kmeans", "powerbert", "merge", "random"])
 def test_apply_token_pooling_methods(method: str) -> None:
     model = MODELS["deit_distilled"]()

@@ -18,6 +18,7 @@ from typing import Any
 from leanformer import __version__
 from leanformer.allocator import configure_allocator
 from leanformer.commands import add_common_arguments, discover
+from leanformer.layers.budgets import KeepSchedule
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _jsonable(value: Any) -> Any:
+    if isinstance(value, KeepSchedule):
+        return value.to_value()
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from leanformer.layers.budgets import KeepSchedule, parse_keep
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -64,6 +66,26 @@ class RunConfig:
     seed: int = 0
     device: str = "cpu"
     compile: bool = False  # eval: run torch.compile(model, fullgraph=True)
+
+    def __post_init__(self) -> None:
+        # The token budget is parsed here, once, whether it came from YAML, a dotted
+        # override or Python; models receive the KeepSchedule as is.
+        object.__setattr__(self, "model_options", parse_model_options(self.model_options))
+
+
+def parse_model_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``keep`` (when given) parsed into a :class:`KeepSchedule`."""
+    if options.get("keep") is None or isinstance(options["keep"], KeepSchedule):
+        return options
+    try:
+        return {**options, "keep": parse_keep(options["keep"])}
+    except ValueError as err:
+        raise ValueError(f"model_options.keep: {err}") from None
+
+
+def plain_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Model options as plain YAML/JSON values: a KeepSchedule becomes its spelling."""
+    return {k: v.to_value() if isinstance(v, KeepSchedule) else v for k, v in options.items()}
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -147,15 +169,18 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if key not in hints:
             raise _unknown_key(full, cls)
         annotation = hints[key]
-        if dataclasses.is_dataclass(annotation):
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             kwargs[key] = from_dict(annotation, value or {}, prefix=f"{full}.")
         else:
             kwargs[key] = _coerce(value, annotation, full)
     return cls(**kwargs)
 
 
-def to_dict(config: Any) -> dict[str, Any]:
-    return dataclasses.asdict(config)
+def to_dict(config: RunConfig) -> dict[str, Any]:
+    """``config`` as plain YAML/JSON values (``from_dict`` reads it back)."""
+    plain = dataclasses.asdict(replace(config, model_options={}))
+    plain["model_options"] = plain_options(config.model_options)
+    return plain
 
 
 def apply_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:

@@ -1,8 +1,4 @@
-"""Exceptions the CLI turns into a one-line message and exit code 2."""
-
-
-class UsageError(ValueError):
-    """A bad argument, option, budget or input shape, described for the user."""
+"""Warnings the CLI shows as one line (errors are plain ``ValueError``s with a message)."""
 
 
 class UnverifiedCheckpointWarning(UserWarning):

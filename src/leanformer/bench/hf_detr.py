@@ -51,7 +51,8 @@ def build_detr_pair(
         raise ValueError(f"DetrConfig has no field {', '.join(unknown)}")
     torch.manual_seed(seed)
     options = {"backbone": "resnet50", **config}
-    detr_config = DetrConfig(
+    # transformers' signature omits the backbone keywords its config still reads from **kwargs.
+    detr_config = DetrConfig(  # type: ignore[call-arg]
         use_timm_backbone=True, use_pretrained_backbone=False, dilation=dilation, **options
     )
     dense = DetrForObjectDetection(detr_config).eval()
@@ -83,7 +84,8 @@ def photo_batch(batch_size: int, img_size: tuple[int, int]) -> tuple[Tensor, Ten
 def encoder_inputs(model: nn.Module, pixel_values: Tensor, pixel_mask: Tensor) -> dict[str, Any]:
     """The keyword arguments the model's encoder receives for these images (one forward, no grad)."""
     seen: dict[str, Any] = {}
-    encoder = model.model.encoder
+    core: Any = model.model  # a transformers DetrModel
+    encoder = core.encoder
     handle = encoder.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
     try:
         with torch.no_grad():
@@ -97,7 +99,8 @@ def encoder_inputs(model: nn.Module, pixel_values: Tensor, pixel_mask: Tensor) -
 def _scope_fn(
     model: nn.Module, scope: str, pixels: Tensor, mask: Tensor, kw: dict[str, Any]
 ) -> Callable[[], None]:
-    encoder = model.model.encoder
+    core: Any = model.model  # a transformers DetrModel
+    encoder = core.encoder
 
     def encoder_fwd() -> None:
         with torch.inference_mode():

@@ -31,22 +31,17 @@ from leanformer.bench.flops import count_gflops
 from leanformer.bench.plots import save_figure, style_accuracy_axis
 from leanformer.bench.timing import time_interleaved
 from leanformer.engine.evaluate import evaluate
+from leanformer.models.perceiver import VisualPerceiver
+from leanformer.models.query_budget import query_budget
 from leanformer.ops.query_selection import bucket_counts, kept_positions, select_queries
 
 PAPER_KS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
 PAPER_THRESHOLDS: tuple[float, ...] = (0.6, 0.65, 0.7, 0.8, 0.9, 0.99)
 
 
-def _total_queries(model: nn.Module) -> int:
-    q = getattr(model, "num_queries", None)
-    if not isinstance(q, int):
-        raise ValueError(f"{type(model).__name__} has no latent queries (expected a Visual Perceiver)")
-    return q
-
-
 def check_ks(model: nn.Module, ks: Iterable[int]) -> list[int]:
     """Query counts clipped to the model's ``Q`` (the paper's list on a smaller model)."""
-    total = _total_queries(model)
+    total = query_budget(model, needed_by="the Perceiver tables")
     ks = sorted({int(k) for k in ks})
     if not ks or ks[0] < 1:
         raise ValueError(f"query counts must be >= 1, got {ks}")
@@ -80,7 +75,7 @@ def random_subset_accuracy(
     ``k``-subset of the queries and uses it for the whole dataset (the paper's baseline)."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
-    total = _total_queries(model)
+    total = query_budget(model, needed_by="the Perceiver tables")
     g = torch.Generator().manual_seed(seed)
     rows = []
     for k in check_ks(model, ks):
@@ -112,7 +107,7 @@ def cost_by_k(
     ks = check_ks(model, ks)
     fns = {k: (lambda k=k: model(batch, num_queries=k)) for k in ks}
     with torch.inference_mode():
-        seconds = time_interleaved(fns, warmup=warmup, runs=runs)  # type: ignore[arg-type]
+        seconds = time_interleaved(fns, warmup=warmup, runs=runs)
     full = seconds[max(ks)]
     return [
         {
@@ -136,13 +131,16 @@ def dqs_sweep(
     device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """``[{"threshold", "rule", "kept_mean", "kept_std", "kept_min", "kept_max", "top1"}]``."""
-    _total_queries(model)
+    query_budget(model, needed_by="the DQS sweep")
     rows = []
     for t in thresholds:
         counts: list[Tensor] = []
 
         def collect(m: nn.Module, counts: list[Tensor] = counts) -> None:
-            counts.append(m.last_kept_counts.detach().float().cpu())  # type: ignore[union-attr]
+            assert isinstance(m, VisualPerceiver)
+            kept = m.last_kept_counts
+            assert kept is not None  # a DQS forward sets it
+            counts.append(kept.detach().float().cpu())
 
         m = evaluate(
             model,
@@ -169,7 +167,7 @@ def dqs_sweep(
 
 @torch.inference_mode()
 def dqs_timing(
-    model: nn.Module,
+    model: VisualPerceiver,
     batch: Tensor,
     threshold: float,
     *,
@@ -186,14 +184,14 @@ def dqs_timing(
     its bucket's longest count.
     """
     model.eval()
-    total = _total_queries(model)
+    total = query_budget(model, needed_by="the Perceiver tables")
     model(batch, dqs_threshold=threshold, dqs_rule=rule)
     counts = model.last_kept_counts
     assert counts is not None
     k_avg = float(counts.float().mean())
     k_fixed = min(total, max(1, round(k_avg)))
-    queries = model.candidate_queries(len(batch))  # type: ignore[operator]
-    mixed = model.cross.mix(queries, model.embed(batch))  # type: ignore[union-attr, operator]
+    queries = model.candidate_queries(len(batch))
+    mixed = model.cross.mix(queries, model.embed(batch))
 
     padding = float(getattr(model, "dqs_max_padding", 0.0))
     buckets = bucket_counts(counts, max_padding=padding)
@@ -214,7 +212,7 @@ def dqs_timing(
         warmup=warmup,
         runs=runs,
     )
-    row = {
+    row: dict[str, Any] = {
         "threshold": threshold,
         "rule": rule,
         "batch_size": len(batch),

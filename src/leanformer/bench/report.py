@@ -45,7 +45,7 @@ def example_inputs(
     else:
         if feature_size is not None:
             raise ValueError(f"{type(model).__name__} takes images, not feature maps: use --img-size")
-        size = img_size or getattr(model, "img_size", 224)
+        size: Any = img_size or getattr(model, "img_size", 224)  # an int or (h, w)
         h, w = (size, size) if isinstance(size, int) else size
         inputs = (torch.randn(batch_size, input_channels(model), h, w),)
     return tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)

@@ -6,24 +6,26 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, TypeVar
+
+Key = TypeVar("Key", bound=Hashable)  # what names each timed function (a string, a query count, ...)
 
 
 def time_interleaved(
-    fns: dict[str, Callable[[], Any]],
+    fns: Mapping[Key, Callable[[], Any]],
     *,
     warmup: int,
     runs: int,
     clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, float]:
+) -> dict[Key, float]:
     """Median seconds per call of every function (``clock``: wall by default, or e.g. process time)."""
     if warmup < 0 or runs < 1:
         raise ValueError(f"need warmup >= 0 and runs >= 1, got warmup={warmup}, runs={runs}")
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[Key, list[float]] = {name: [] for name in fns}
     for _ in range(runs):
         for name, fn in fns.items():
             start = clock()

@@ -11,8 +11,8 @@ Each module defines::
 results it returns are printed as one JSON object per line when ``--json`` is given.
 Every parser gets the common options (``--json``, ``--quiet``, ``--device``,
 ``--seed``, ``--threads``) from :func:`add_common_arguments`. Bad input is reported by
-raising ``ValueError`` (or :class:`leanformer.errors.UsageError`) with a message for
-the user; the CLI prints it on one line and exits with code 2.
+raising ``ValueError`` with a message for the user; the CLI prints it on one line and
+exits with code 2.
 
 Groups with several subcommands (``demo``, ``visualize``) may name a default with a
 module-level ``DEFAULT = True`` (used when the group is called without a name).

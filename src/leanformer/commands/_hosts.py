@@ -101,7 +101,8 @@ def build_host_model(
             if data.img_size is not None:
                 options.setdefault("img_size", data.img_size)
         model = create_timm_model(name[5:], **_timm_options(options))
-        size = int(model.patch_embed.img_size[0]) if model.patch_embed.img_size else 224
+        patch_embed: Any = model.patch_embed
+        size = int(patch_embed.img_size[0]) if patch_embed.img_size else 224
     else:
         if data is not None:
             for key, value in (("num_labels", data.num_classes), ("num_channels", data.in_chans)):
@@ -109,7 +110,8 @@ def build_host_model(
             if data.img_size is not None:
                 options.setdefault("image_size", data.img_size)
         model = _hf_model(name[3:], options)
-        size = int(model.config.image_size)
+        hf_config: Any = model.config
+        size = int(hf_config.image_size)
     row: dict[str, Any] = {**options}
     if args.pool:
         import leanformer

@@ -7,7 +7,8 @@ import re
 from typing import Any
 
 from leanformer.config import parse_scalar
-from leanformer.layers.budgets import parse_keep_list
+from leanformer.layers.budgets import KEEP_HELP, KeepSchedule, parse_keep
+from leanformer.models.query_budget import check_query_count, has_query_budget
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -33,15 +34,12 @@ def positive_int(text: str) -> int:
     return value
 
 
-def parse_keep(text: str) -> Any:
-    """A preset name (``deit_s_level3``), a ratio (``0.5``) or a list (``64,32,16`` / ``0.5,0.7``)."""
-    value = parse_scalar(text)
-    if isinstance(value, str) and "," in value:
-        try:
-            return parse_keep_list(value)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-    return value
+def keep_argument(text: str) -> KeepSchedule:
+    """``--keep``: :func:`leanformer.layers.budgets.parse_keep`, its errors as usage errors."""
+    try:
+        return parse_keep(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def parse_key_value(text: str) -> tuple[str, Any]:
@@ -72,9 +70,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, model_required: bool
         help="load the weights shipped with leanformer (see `leanformer models --pretrained`)",
     )
     group.add_argument("--pool", help="token pooling method (DeiT): wkmedoids, kmeans, powerbert, merge, ...")
-    group.add_argument(
-        "--keep", type=parse_keep, help="token budget: preset name, keep ratio or per-layer list"
-    )
+    group.add_argument("--keep", type=keep_argument, help=KEEP_HELP)
     group.add_argument(
         "--carry", action="store_true", default=None, help="track token sizes (proportional attention)"
     )
@@ -106,8 +102,6 @@ def forward_kwargs(args: argparse.Namespace, model: Any) -> dict[str, Any]:
     """
     kwargs: dict[str, Any] = {}
     if getattr(args, "num_queries", None) is not None:
-        if args.num_queries < 1:
-            raise ValueError(f"--num-queries must be >= 1, got {args.num_queries}")
         kwargs["num_queries"] = args.num_queries
     if getattr(args, "dqs_threshold", None) is not None:
         kwargs["dqs_threshold"] = args.dqs_threshold
@@ -115,10 +109,12 @@ def forward_kwargs(args: argparse.Namespace, model: Any) -> dict[str, Any]:
         if "dqs_threshold" not in kwargs:
             raise ValueError("--dqs-rule needs --dqs-threshold")
         kwargs["dqs_rule"] = args.dqs_rule
-    if kwargs and not isinstance(getattr(model, "num_queries", None), int):
+    if kwargs and not has_query_budget(model):
         flags = ", ".join("--" + key.replace("_", "-") for key in kwargs)
         name = getattr(model, "leanformer_name", type(model).__name__)
         raise ValueError(f"{flags}: only for Visual Perceiver models; {name} has no latent queries")
+    if "num_queries" in kwargs:
+        check_query_count(kwargs["num_queries"], model.num_queries, name="--num-queries")
     return kwargs
 
 

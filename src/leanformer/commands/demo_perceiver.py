@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sized
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 COMMAND = ("demo", "perceiver")
 HELP = "train the digits Visual Perceiver with and without Query Masking; print accuracy by K and DQS"
@@ -128,7 +129,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         title=f"{args.model} on digits",
     )
     if not args.json:
-        print(f"\nTop-1 % on the digits test split ({len(loader.dataset)} images), {args.epochs} epochs each")
+        images = len(cast(Sized, loader.dataset))
+        print(f"\nTop-1 % on the digits test split ({images} images), {args.epochs} epochs each")
         print(
             markdown_table(
                 rows[: len(fixed_rows)],

@@ -94,7 +94,7 @@ def _host_config(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[R
                 f"eval needs a classifier: {args.hf_model} has no logits (try *ForImageClassification)"
             )
         model = ClassifierLogits(model)
-    model.leanformer_name = name
+    model.leanformer_name = name  # type: ignore[assignment]
     return replace(cfg, model=name), model.to(args.device)
 
 

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             }
         )
     if not args.json:
-        width = max((len(r["model"]) for r in rows), default=5)
+        width = max((len(str(r["model"])) for r in rows), default=5)
         for r in rows:
             mark = " [pretrained]" if r["pretrained"] else ""
             print(f"{r['model']:<{width}}  {r['family']:<10} {r['description']}{mark}")

@@ -14,6 +14,7 @@ from typing import Any
 from leanformer.commands._options import add_data_arguments
 from leanformer.commands.demo_perceiver import _floats, _ints
 from leanformer.commands.visualize_perceiver import load_perceiver
+from leanformer.models.query_budget import query_budget
 
 COMMAND = ("perceiver-eval",)
 DEFAULT_KS = "1,2,4,8,16,32,48,64"
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.reps < 0 or args.time_batch < 0 or args.runs < 1:
         raise ValueError("--reps and --time-batch must be >= 0 and --runs >= 1")
     model, dataset = load_perceiver(args, split=args.split)
-    ks = _query_counts(args.ks, model.num_queries)
+    ks = _query_counts(args.ks, query_budget(model, needed_by="perceiver-eval"))
     loader = eval_loader(dataset, batch_size=args.batch_size or 256)
     acc = accuracy_by_k(model, loader, ks, device=args.device)
     base = (

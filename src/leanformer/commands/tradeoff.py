@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from leanformer.commands import given
-from leanformer.commands._options import parse_keep
+from leanformer.commands._options import keep_argument
 
 COMMAND = ("tradeoff",)
 HELP = "sweep token-pooling methods x budgets on one model: results.jsonl, a table and a plot"
@@ -27,9 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget",
         action="append",
-        type=parse_keep,
+        type=keep_argument,
         metavar="KEEP",
-        help="a keep value (preset, ratio or per-layer list); repeat for several (overrides the config)",
+        help="a keep value (a ratio such as 0.7, counts 12,8,4, ratios 0.5,0.5, r16 or a preset); "
+        "repeat for several (overrides the config)",
     )
     parser.add_argument("--finetune-epochs", type=int, help="fine-tune every variant this many epochs")
     parser.add_argument("--no-throughput", action="store_true", help="skip the img/s measurement")
@@ -58,7 +59,9 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.methods:
         overrides["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.budget:
-        overrides["budgets"] = list(args.budget)
+        # Checked here; the sweep config holds plain values, as its YAML file does, because
+        # they name the points in results.jsonl and sweep.json.
+        overrides["budgets"] = [budget.to_value() for budget in args.budget]
     if args.finetune_epochs is not None:
         overrides["finetune_epochs"] = args.finetune_epochs
     if args.no_throughput:

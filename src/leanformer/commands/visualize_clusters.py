@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.commands import given
-from leanformer.commands._options import parse_keep
+from leanformer.commands._options import keep_argument
+from leanformer.layers.budgets import KEEP_HELP, KeepSchedule, parse_keep
 
 COMMAND = ("visualize", "clusters")
 HELP = "colour the token clusters of a token-pooled model over input images (PNG per example)"
@@ -116,7 +117,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pretrained", action="store_true", help="with --model: the weights shipped with leanformer"
     )
     parser.add_argument("--method", default="wkmedoids", help="pooling method (default: wkmedoids)")
-    parser.add_argument("--keep", type=parse_keep, default=0.7, help="budget (ratio, preset, list)")
+    parser.add_argument(
+        "--keep", type=keep_argument, default=KeepSchedule(ratio=0.7), help=f"{KEEP_HELP} (default: 0.7)"
+    )
     parser.add_argument("--layer", type=int, default=-1, help="block whose output to show (default: last)")
     parser.add_argument("--no-carry", action="store_true", help="do not carry token sizes")
     parser.add_argument(
@@ -181,7 +184,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.bench.tradeoff import BASELINE, with_method
     from leanformer.data.registry import build_dataset
     from leanformer.engine.builders import check_data_fits
-    from leanformer.layers.budgets import resolve_keep
     from leanformer.models.pretrained import model_card
 
     if args.num_examples < 1:
@@ -202,17 +204,18 @@ def run(args: argparse.Namespace) -> list[dict]:
     img_size = _img_size(args, trained)
     if img_size is not None:
         options["img_size"] = img_size
-    data = build_dataset(args.data, split="test", **options)
+    data: Any = build_dataset(args.data, split="test", **options)  # a Dataset with info and a length
     torch.manual_seed(args.seed)
     base = (trained if trained is not None else _build(args, data.info)).to(args.device).eval()
     check_data_fits(type(base), data.info, name=getattr(base, "leanformer_name", None))
     grid = _grid_of(base)
-    budgets = resolve_keep(args.keep, depth=len(base.blocks), num_tokens=grid[0] * grid[1])  # type: ignore[arg-type]
+    keep = parse_keep(args.keep)  # already a KeepSchedule from the command line; as is then
+    budgets = keep.per_block(depth=len(base.blocks), num_tokens=grid[0] * grid[1])  # type: ignore[arg-type]
     if any(isinstance(b, int) and b < 1 for b in budgets):
         raise ValueError(
             f"--keep {args.keep}: a block would keep no patch tokens, so there is nothing to draw"
         )
-    model = with_method(base, args.method, args.keep, carry=not args.no_carry, options={})
+    model = with_method(base, args.method, keep, carry=not args.no_carry, options={})
     n = min(args.num_examples, len(data))
     x = torch.stack([data[i][0] for i in range(n)]).to(args.device)
     trace = trace_token_sources(model, x)
@@ -242,5 +245,6 @@ def run(args: argparse.Namespace) -> list[dict]:
 def _grid_of(model: nn.Module) -> tuple[int, int]:
     grid = getattr(model, "grid_size", None)
     if grid is None:
-        grid = model.patch_embed.grid_size
+        patch_embed: Any = model.patch_embed  # a timm ViT's
+        grid = patch_embed.grid_size
     return int(grid[0]), int(grid[1])

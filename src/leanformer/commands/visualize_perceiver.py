@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from leanformer.commands._options import add_data_arguments, data_overrides, refuse_beside_checkpoint
+from leanformer.models.query_budget import check_query_count, query_budget
 
 COMMAND = ("visualize", "perceiver-attention")
 HELP = "average cross-attention map per Perceiver query over a dataset, saved as a PNG grid"
@@ -54,8 +55,7 @@ def load_perceiver(args: argparse.Namespace, *, split: str) -> tuple[Any, Any]:
         model, _ = build_model(cfg.model, {}, build_split(cfg.data, split).info)  # type: ignore[attr-defined]
     else:
         raise ValueError("give --checkpoint PATH (a trained Visual Perceiver) or --model NAME")
-    if not isinstance(getattr(model, "num_queries", None), int):
-        raise ValueError(f"{type(model).__name__} is not a Visual Perceiver (it has no latent queries)")
+    query_budget(model, needed_by="visualize perceiver-attention")
     dataset = build_split(cfg.data, split)
     info = dataset.info  # type: ignore[attr-defined]
     check_data_fits(type(model), info, name=getattr(model, "leanformer_name", None))
@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.data.loaders import eval_loader
 
     model, dataset = load_perceiver(args, split=args.split)
-    if args.num_queries is not None and not 1 <= args.num_queries <= model.num_queries:
-        raise ValueError(f"--num-queries must be in [1, {model.num_queries}], got {args.num_queries}")
+    if args.num_queries is not None:
+        check_query_count(args.num_queries, query_budget(model), name="--num-queries")
     maps = average_cross_attention(
         model,
         eval_loader(dataset, batch_size=args.batch_size or 128),

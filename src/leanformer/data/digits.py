@@ -25,7 +25,7 @@ def digits_split(
     """``(x_train, x_test, y_train, y_test)``; images in [0, 1], shape ``[N, 8, 8]``."""
     bunch = load_digits()
     images = (bunch.images / 16.0).astype(np.float32)
-    return tuple(  # type: ignore[return-value]
+    return tuple(
         train_test_split(
             images, bunch.target, test_size=test_fraction, stratify=bunch.target, random_state=split_seed
         )

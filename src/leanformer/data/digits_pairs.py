@@ -29,6 +29,7 @@ is made). Arrays are used as they are (normalise them beforehand).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -131,7 +132,7 @@ def build_digits_pairs(
     a = normalise(a, mean_a, std_a)
     b = (b - b_train.mean()) / b_train.std()
     info = DatasetInfo(num_classes=10, in_chans=1, img_size=img_size, inputs=2)
-    regions = {}
+    regions: dict[str, Any] = {}
     if return_regions:
         regions = dict(
             region_a=quadrant_labels(img_size, img_size), region_b=quadrant_labels(points, points).flatten()

@@ -1,50 +1,53 @@
-"""A local class-per-folder image tree: ``root/<split>/<class>/*.png|jpg`` (or ``root/<class>/...``)."""
+"""A local class-per-folder image tree: ``root/<split>/<class>/*.png|jpg`` (or ``root/<class>/...``).
+
+Reading is torchvision's ``ImageFolder``; this module adds the split layout, the resize and
+normalisation, and the ``info`` every leanformer dataset carries.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
-from torch import Tensor
-from torch.utils.data import Dataset
+from torchvision import datasets, transforms
 
 from leanformer.data.registry import DatasetInfo, register_dataset
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
-MEAN = torch.tensor([0.485, 0.456, 0.406])  # ImageNet statistics, as timm's DeiT expects
-STD = torch.tensor([0.229, 0.224, 0.225])
+MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics, as timm's DeiT expects
+STD = (0.229, 0.224, 0.225)
 
 
-class ImageFolderDataset(Dataset):
-    """Loads and resizes images lazily; classes are the sorted sub-folder names."""
+def _is_image(path: str) -> bool:
+    return Path(path).suffix.lower() in IMAGE_SUFFIXES
+
+
+class ImageFolderDataset(datasets.ImageFolder):
+    """Images resized to ``img_size`` (bicubic) and normalised; classes are the sorted
+    sub-folder names. Items are ``(image [3, img_size, img_size], label tensor)``."""
 
     def __init__(self, folder: Path, img_size: int) -> None:
-        classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
-        if not classes:
+        if not any(p.is_dir() for p in folder.iterdir()):
             raise ValueError(f"no class folders in {folder} (expected {folder}/<class>/<image files>)")
-        self.samples = [
-            (path, index)
-            for index, name in enumerate(classes)
-            for path in sorted((folder / name).rglob("*"))
-            if path.suffix.lower() in IMAGE_SUFFIXES
-        ]
+        pipeline = transforms.Compose(
+            [
+                transforms.Resize((img_size, img_size), interpolation=transforms.InterpolationMode.BICUBIC),
+                transforms.ToTensor(),
+                transforms.Normalize(MEAN, STD),
+            ]
+        )
+        # allow_empty: a class folder with no images yet is still a class (its index stays put).
+        super().__init__(
+            str(folder),
+            transform=pipeline,
+            target_transform=torch.tensor,
+            is_valid_file=_is_image,
+            allow_empty=True,
+        )
         if not self.samples:
             raise ValueError(f"no images ({', '.join(sorted(IMAGE_SUFFIXES))}) under {folder}")
-        self.classes = classes
         self.img_size = img_size
-        self.info = DatasetInfo(num_classes=len(classes), in_chans=3, img_size=img_size)
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        path, label = self.samples[index]
-        with Image.open(path) as img:
-            img = img.convert("RGB").resize((self.img_size, self.img_size), Image.Resampling.BICUBIC)
-            pixels = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1)
-        return (pixels - MEAN[:, None, None]) / STD[:, None, None], torch.tensor(label)
+        self.info = DatasetInfo(num_classes=len(self.classes), in_chans=3, img_size=img_size)
 
 
 @register_dataset("imagefolder")

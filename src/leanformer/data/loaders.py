@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sized
+from typing import cast
+
 from torch.utils.data import DataLoader, Dataset
 
 from leanformer.data.sampler import GlobalBatchSampler
@@ -12,7 +15,12 @@ def train_loader(
 ) -> DataLoader:
     """Shuffled, last partial batch dropped, each global batch split across ranks."""
     sampler = GlobalBatchSampler(
-        len(dataset), batch_size=batch_size, shuffle=True, seed=seed, rank=rank, world_size=world_size
+        len(cast(Sized, dataset)),
+        batch_size=batch_size,
+        shuffle=True,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
     )
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
 

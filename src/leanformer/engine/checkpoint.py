@@ -91,7 +91,11 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temp file + rename (atomic on POSIX)."""
-    atomic_write(path, lambda handle: handle.write(data))
+
+    def write(handle: IO[bytes]) -> None:
+        handle.write(data)
+
+    atomic_write(path, write)
 
 
 def _flatten_state(prefix: str, state: Any, tensors: dict[str, Tensor]) -> Any:

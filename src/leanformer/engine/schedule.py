@@ -26,7 +26,8 @@ def warmup_cosine(
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """No weight decay on biases, norms, tokens, position embeddings and scalar coefficients."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue

@@ -15,7 +15,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +23,7 @@ import yaml
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from leanformer.config import RunConfig, TrainConfig, to_dict
+from leanformer.config import RunConfig, TrainConfig, parse_model_options, plain_options, to_dict
 from leanformer.data.loaders import eval_loader, train_loader
 from leanformer.engine.builders import build_model, build_split
 from leanformer.engine.checkpoint import (
@@ -44,6 +44,7 @@ from leanformer.engine.run_folder import (
     write_metrics,
 )
 from leanformer.engine.schedule import param_groups, warmup_cosine
+from leanformer.models.query_budget import query_budget
 from leanformer.progress import progress_bar
 
 
@@ -176,9 +177,7 @@ def _query_sampler(cfg: RunConfig, model: nn.Module, seed: int):
     """Query Masking: one K per batch, the same on every process (same generator seed)."""
     if not cfg.train.query_masking:
         return None, None
-    num_queries = getattr(model, "num_queries", None)
-    if not isinstance(num_queries, int):
-        raise ValueError(f"train.query_masking needs a model with latent queries; {cfg.model} has none")
+    num_queries = query_budget(model, needed_by="train.query_masking")
     from leanformer.engine.query_masking import sample_num_queries
 
     generator = torch.Generator().manual_seed(seed + 7919)
@@ -192,7 +191,7 @@ def _query_sampler(cfg: RunConfig, model: nn.Module, seed: int):
 
 def _write_config(out_dir: Path, cfg: RunConfig, model_options: dict[str, Any]) -> None:
     resolved = to_dict(cfg)
-    resolved["model_options"] = model_options
+    resolved["model_options"] = plain_options(model_options)
     atomic_write_bytes(out_dir / CONFIG_NAME, yaml.safe_dump(resolved, sort_keys=False).encode())
 
 
@@ -293,10 +292,11 @@ def fit(
         # Dropout / drop-path randomness differs per process, as in any DDP run.
         torch.manual_seed(cfg.seed * 1000 + 1 + dist_info.rank)
 
-        start_epoch, history = 0, []
+        start_epoch, history = 0, cast(list[dict[str, Any]], [])
         if resume and out is not None and (out / CHECKPOINT_NAME).exists():
             ckpt = load_checkpoint(out / CHECKPOINT_NAME)
-            if ckpt.meta.get("model_name") != cfg.model or ckpt.meta.get("model_options") != model_options:
+            saved_options = parse_model_options(ckpt.meta.get("model_options", {}))
+            if ckpt.meta.get("model_name") != cfg.model or saved_options != model_options:
                 raise ValueError(
                     f"checkpoint in {out} is for {ckpt.meta.get('model_name')} "
                     f"{ckpt.meta.get('model_options')}, not {cfg.model} {model_options}"
@@ -375,7 +375,7 @@ def fit(
                     "train_loss": train_loss,
                     "top1": metrics["top1"],
                     "test_loss": metrics["loss"],
-                    "lr": scheduler.get_last_lr()[0],
+                    "lr": float(scheduler.get_last_lr()[0]),
                     "epoch_seconds": time.perf_counter() - started,
                 }
                 history.append(metrics)
@@ -394,7 +394,7 @@ def fit(
                         scheduler=scheduler,
                         meta={
                             "model_name": cfg.model,
-                            "model_options": model_options,
+                            "model_options": plain_options(model_options),
                             "epoch": epoch + 1,
                             "config": to_dict(cfg),
                             "metrics": metrics,

@@ -1,29 +1,39 @@
-"""Token budgets: how many tokens each block may keep.
+"""Token budgets: how many tokens each block may keep, parsed once into a :class:`KeepSchedule`.
 
-``keep=`` accepts
+``keep=`` (Python), ``--keep`` (command line), ``keep:`` (YAML) and
+``model.token_pooling.keep = ...`` (run time) all go through :func:`parse_keep`, which
+accepts
 
-- a list of per-block maxima ``[K_1, ..., K_L]`` (ints >= 0; the class token is not
-  counted and always kept). ``K_l`` is a *maximum*: block l keeps
+- a list of per-block budgets ``[K_1, ..., K_L]``. An **int** is a token count: block l
+  keeps at most ``K_l`` tokens (the class token is not counted and always kept), so
+  ``1`` keeps one token. ``K_l`` is a *maximum*: block l keeps
   ``min(K_l, tokens it receives)``, so a schedule may go up again (the paper's DeiT-e252
-  level 7 does) without effect;
-- one keep ratio ``r`` in (0, 1]: every block keeps ``round(r * tokens it receives)``;
-- a list of per-block ratios (floats in (0, 1]);
-- ToMe's form ``{"r": r}`` (``"r16"`` on the command line): every block removes ``r``
-  tokens, at most half of those it receives (ToMe's bipartite matching cannot remove
-  more), which turns into per-block counts for the host's token count;
+  level 7 does) without effect. A **float** is a keep ratio in (0, 1]: ``1.0`` keeps every
+  token. Ints and floats may be mixed (``[196, 0.5, 0.5]``);
+- one keep ratio (a float in (0, 1]): every block keeps ``round(r * tokens it receives)``.
+  A bare int is refused: one count for every block is almost always a typo for a ratio;
+- ToMe's form ``{"r": r}`` (``"r16"`` as a string): every block removes ``r`` tokens, at
+  most half of those it receives (ToMe's bipartite matching cannot remove more);
 - a named preset from the paper's appendix G (tables 3-5): ``deit_s_level0`` ...
   ``deit_s_level7``, ``deit_e318_level0`` ... ``deit_e318_level7``, ``deit_e252_level0``
   ... ``deit_e252_level7`` (224x224 images, patch 16: 196 tokens, 12 blocks).
 
-:func:`resolve_keep` turns any of these into a validated per-block list.
+Strings spell the same values as on the command line: ``"0.7"``, ``"12,8,4"``,
+``"0.5,0.5"``, ``"[0.5, 0.5]"``, ``"r16"``, ``"deit_s_level3"``; a number with a ``.`` or an
+exponent is a ratio, one without is a count.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Sequence
+import numbers
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+import yaml
 
 # Keep schedules copied from the Token Pooling paper, appendix G: the maximal number of
 # tokens (class token excluded) retained after each of the 12 transformer blocks.
@@ -59,7 +69,92 @@ PRESETS: dict[str, tuple[int, ...]] = {
     "deit_e252_level7": (188, 122, 58, 28, 12, 2, 0, 2, 0, 0, 0, 0),
 }
 
-Budget = int | float  # int: max tokens kept; float: fraction of the tokens received
+TokenCount = int  # the most tokens a block keeps (0 drops every patch token)
+KeepRatio = float  # the fraction of the tokens a block receives that it keeps, in (0, 1]
+Budget = TokenCount | KeepRatio  # one block's budget: the Python type tells which
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class KeepSchedule:
+    """A parsed token budget: exactly one of ``blocks``, ``ratio`` and ``remove`` is set.
+
+    Build it with :func:`parse_keep`; :meth:`per_block` turns it into one budget per block
+    of a given host. ``str()`` gives the command-line spelling and :meth:`to_value` a plain
+    value for YAML/JSON; both parse back to an equal schedule.
+    """
+
+    blocks: tuple[Budget, ...] | None = None  # one per block: int = token count, float = ratio
+    ratio: KeepRatio | None = None  # the same ratio in every block, whatever the depth
+    remove: TokenCount | None = None  # ToMe's r: tokens removed per block
+    preset: str | None = field(default=None, compare=False)  # the appendix-G table `blocks` is
+
+    def __post_init__(self) -> None:
+        if sum(v is not None for v in (self.blocks, self.ratio, self.remove)) != 1:
+            raise ValueError("a KeepSchedule holds exactly one of blocks, ratio and remove")
+
+    def _key(self) -> tuple[Any, ...]:
+        # Python finds 1 == 1.0, but a count of one token is not a ratio that keeps them all.
+        blocks = None if self.blocks is None else tuple((type(v), v) for v in self.blocks)
+        return (blocks, self.ratio, self.remove)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KeepSchedule) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def per_block(self, *, depth: int, num_tokens: int | None = None) -> list[Budget]:
+        """One budget per block of a ``depth``-block host whose first block receives
+        ``num_tokens`` patch tokens (needed by ToMe's form only)."""
+        if self.ratio is not None:
+            return [self.ratio] * depth
+        if self.remove is not None:
+            if num_tokens is None:
+                raise ValueError(f"keep={self}: ToMe's form needs the host's token count")
+            counts: list[Budget] = []
+            n = num_tokens
+            for _ in range(depth):
+                n -= min(self.remove, n // 2)
+                counts.append(n)
+            return counts
+        assert self.blocks is not None
+        if len(self.blocks) != depth:
+            raise ValueError(
+                f"keep schedule has {len(self.blocks)} entries but the model has {depth} blocks (keep={self})"
+            )
+        return list(self.blocks)
+
+    def to_value(self) -> str | float | list[Budget]:
+        """The plain value (preset name, ratio, list, ``"r16"``) that parses back to this."""
+        if self.preset is not None:
+            return self.preset
+        if self.ratio is not None:
+            return self.ratio
+        if self.remove is not None:
+            return f"r{self.remove}"
+        return list(self.blocks or ())
+
+    def __repr__(self) -> str:
+        return f"parse_keep({self.to_value()!r})"
+
+    def __str__(self) -> str:
+        value = self.to_value()
+        if isinstance(value, list):
+            return ",".join(_spell(v) for v in value)
+        return value if isinstance(value, str) else _spell(value)
+
+
+KeepLike = KeepSchedule | str | float | Sequence[Budget] | Mapping[str, int]
+
+KEEP_HELP = (
+    "token budget: a keep ratio (float in (0, 1], 1.0 keeps all), per-block counts (ints: "
+    "12,8,4) or ratios (0.5,0.5), ToMe's r16, or a preset (deit_s_level3)"
+)
+
+
+def _spell(budget: Budget) -> str:
+    # repr keeps the '.' of a ratio (1.0, not 1), so a spelled ratio never reads back as a count.
+    return repr(float(budget)) if isinstance(budget, float) else str(budget)
 
 
 def list_presets() -> list[str]:
@@ -67,99 +162,106 @@ def list_presets() -> list[str]:
     return sorted(PRESETS)
 
 
-def _check_entry(v: Any, layer: int) -> Budget:
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ValueError(f"keep[{layer}] (block {layer}): expected an int or a float ratio, got {v!r}")
-    if isinstance(v, float):
-        if not math.isfinite(v) or not 0.0 < v <= 1.0:
-            raise ValueError(f"keep[{layer}] (block {layer}): a keep ratio must be in (0, 1], got {v}")
-        return float(v)
-    if v < 0:
-        raise ValueError(f"keep[{layer}] (block {layer}): a token count must be >= 0, got {v}")
-    return int(v)
+def parse_keep(keep: Any) -> KeepSchedule:
+    """The one parser of token budgets: any accepted spelling -> a validated :class:`KeepSchedule`.
 
-
-def resolve_keep(keep: Any, *, depth: int, num_tokens: int | None = None) -> list[Budget]:
-    """Validate ``keep`` and return one budget per block (``int`` count or ``float`` ratio).
-
-    Strings name a preset (or a number, as typed on the command line: ``"0.5"``, a
-    comma-separated list ``"196,180,..."``, or ``"r16"``). Errors name the offending
-    block. ``{"r": r}`` needs ``num_tokens`` (the patch tokens the first block receives).
+    Raises ``ValueError`` naming the offending entry (block) for a bad budget.
     """
+    if isinstance(keep, KeepSchedule):
+        return keep
     if keep is None:
-        raise ValueError("a pooling method needs keep= (a per-block list, a ratio in (0, 1] or a preset)")
+        raise ValueError(f"a pooling method needs keep= ({KEEP_HELP})")
     if isinstance(keep, str):
-        keep = _parse_string(keep)
-    if isinstance(keep, dict):
-        return _remove_per_block(keep, depth=depth, num_tokens=num_tokens)
+        return _parse_text(keep)
     if isinstance(keep, bool):
-        raise ValueError(f"keep must be a list, a ratio or a preset name, got {keep!r}")
-    if isinstance(keep, int):
+        raise ValueError(f"keep must be a ratio, a list, ToMe's r or a preset name, got {keep!r}")
+    if isinstance(keep, numbers.Integral):
         raise ValueError(
-            f"keep={keep}: give a per-block list of {depth} counts, a float ratio in (0, 1] "
-            "or a preset name (an int alone is ambiguous)"
+            f"keep={keep}: an int is a token count and needs one per block (e.g. [{keep}, {keep}, ...]); "
+            f"for a ratio write a float in (0, 1] (1.0 keeps every token)"
         )
-    if isinstance(keep, float):
-        return [_check_entry(keep, i) for i in range(depth)]
-    if not isinstance(keep, Sequence):
-        raise ValueError(f"keep must be a list, a ratio or a preset name, got {type(keep).__name__}")
-    if len(keep) != depth:
-        raise ValueError(f"keep schedule has {len(keep)} entries but the model has {depth} blocks")
-    return [_check_entry(v, i) for i, v in enumerate(keep)]
+    if isinstance(keep, numbers.Real):
+        return KeepSchedule(ratio=_ratio(float(keep), "keep"))
+    if isinstance(keep, Mapping):
+        return _remove_per_block(keep)
+    if isinstance(keep, Sequence):
+        if not keep:
+            raise ValueError("keep=[]: a per-block list needs one entry per block")
+        return KeepSchedule(blocks=tuple(_block_budget(v, i) for i, v in enumerate(keep)))
+    raise ValueError(f"keep must be a ratio, a list, ToMe's r or a preset name, got {type(keep).__name__}")
 
 
-def parse_keep_list(text: str) -> list[Budget]:
-    """``"196,180,0.5"`` -> one budget per entry: a ratio if it has a ``.``, else a count.
-
-    An empty entry (``"12,,8"``, ``"4,2,"``) is a typo, not a shorter schedule: dropping
-    it would shift every later budget to the block before it, so it is refused.
-    """
-    budgets: list[Budget] = []
-    for position, entry in enumerate((t.strip() for t in text.split(",")), start=1):
-        if not entry:
-            raise ValueError(f"keep list {text!r}: empty entry at position {position}")
-        try:
-            budgets.append(float(entry) if "." in entry else int(entry))
-        except ValueError:
-            raise ValueError(
-                f"keep list {text!r}: entry {position} ({entry!r}) is neither a token count nor a ratio"
-            ) from None
-    return budgets
+def _ratio(value: float, where: str) -> KeepRatio:
+    if not math.isfinite(value) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{where}: a keep ratio (float) must be in (0, 1], got {value}")
+    return value
 
 
-def _remove_per_block(keep: dict[str, Any], *, depth: int, num_tokens: int | None) -> list[Budget]:
+def _block_budget(value: Any, block: int) -> Budget:
+    where = f"keep[{block}] (block {block})"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{where}: expected an int token count or a float ratio, got {value!r}")
+    if isinstance(value, numbers.Integral):
+        if value < 0:
+            raise ValueError(f"{where}: a token count (int) must be >= 0, got {value}")
+        return int(value)
+    return _ratio(float(value), where)
+
+
+def _remove_per_block(keep: Mapping[str, Any]) -> KeepSchedule:
     """ToMe's ``{"r": r}``: block l keeps ``n_l - min(r, n_l // 2)`` of the ``n_l`` it receives."""
     if set(keep) != {"r"}:
         raise ValueError(
-            f"keep must be a list, a ratio, a preset name or {{'r': tokens removed per block}}, got {keep!r}"
+            f"keep must be a ratio, a list, a preset name or {{'r': tokens removed per block}}, got {keep!r}"
         )
     r = keep["r"]
-    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-        raise ValueError(f"keep={{'r': ...}} needs a token count >= 0, got {r!r}")
-    if num_tokens is None:
-        raise ValueError("keep={'r': ...} needs the host's token count to turn into per-block budgets")
-    counts: list[Budget] = []
-    n = num_tokens
-    for _ in range(depth):
-        n -= min(r, n // 2)
-        counts.append(n)
-    return counts
+    if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 0:
+        raise ValueError(f"keep={{'r': ...}} needs a token count (int) >= 0, got {r!r}")
+    return KeepSchedule(remove=int(r))
 
 
-def _parse_string(text: str) -> Any:
+_COUNT = re.compile(r"[+-]?\d+")
+
+
+def _parse_number(text: str) -> Budget:
+    """``"12"`` -> 12 (a count); ``"0.5"``, ``"1.0"``, ``"5e-1"`` -> a float ratio."""
+    return int(text) if _COUNT.fullmatch(text) else float(text)
+
+
+def _parse_text(text: str) -> KeepSchedule:
     name = text.strip()
     if name in PRESETS:
-        return list(PRESETS[name])
+        return KeepSchedule(blocks=PRESETS[name], preset=name)
     if name[:1] in "rR" and name[1:].isdigit():
-        return {"r": int(name[1:])}
+        return KeepSchedule(remove=int(name[1:]))
+    if name[:1] in "[{":  # a YAML list or mapping, as a dotted config override spells it
+        try:
+            value = yaml.safe_load(name)
+        except yaml.YAMLError:
+            raise ValueError(f"keep {text!r} is not a valid YAML list or mapping") from None
+        return parse_keep(value)
     if "," in name:
-        return parse_keep_list(name)
+        entries = []
+        for position, entry in enumerate((t.strip() for t in name.split(",")), start=1):
+            # An empty entry ("12,,8") is a typo, not a shorter schedule: dropping it would
+            # shift every later budget to the block before it.
+            if not entry:
+                raise ValueError(f"keep list {text!r}: empty entry at position {position}")
+            try:
+                entries.append(_parse_number(entry))
+            except ValueError:
+                raise ValueError(
+                    f"keep list {text!r}: entry {position} ({entry!r}) is neither a token count "
+                    "(int) nor a ratio (float)"
+                ) from None
+        return parse_keep(entries)
     try:
-        return float(name) if "." in name else int(name)
+        number = _parse_number(name)
     except ValueError:
         close = difflib.get_close_matches(name, PRESETS, n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else f"; presets: {', '.join(list_presets())}"
         raise ValueError(f"unknown keep preset {text!r}{hint}") from None
+    return parse_keep(number)
 
 
 def effective_counts(keep: Sequence[Budget], num_tokens: int) -> list[int]:

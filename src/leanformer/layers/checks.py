@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import Any
 
 
 def as_int(value: object) -> int | None:
@@ -37,7 +38,7 @@ def check_sizes(name: str, values: object, *, minimum: int = 1) -> tuple[int, ..
     if not isinstance(values, list | tuple):
         raise ValueError(f"{name} must be a list of integers, got {values!r}")
     check_positive(minimum=minimum, **{f"{name}[{i}]": v for i, v in enumerate(values)})
-    return tuple(operator.index(v) for v in values)  # type: ignore[arg-type]
+    return tuple(operator.index(v) for v in values)
 
 
 def check_positive_number(*, zero_ok: bool = False, optional: bool = False, **values: object) -> None:
@@ -54,7 +55,8 @@ def check_positive_number(*, zero_ok: bool = False, optional: bool = False, **va
 
 def head_dim(dim: int, num_heads: int, *, dim_name: str = "dim") -> int:
     """Width of one attention head: ``dim // num_heads``, after checking both."""
-    check_positive(**{dim_name: dim, "num_heads": num_heads})
+    named: dict[str, Any] = {dim_name: dim, "num_heads": num_heads}
+    check_positive(**named)
     if dim % num_heads:
         raise ValueError(f"{dim_name} ({dim}) must be divisible by num_heads ({num_heads})")
     return dim // num_heads

@@ -25,8 +25,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from leanformer.layers.budgets import KeepLike, KeepSchedule, parse_keep
 from leanformer.layers.pooling_state import ReducePosition, TokenPooling
-from leanformer.layers.reducer import reduce_tokens
+from leanformer.layers.reducer import TokenReducer, reduce_tokens
 
 Override = tuple[nn.Module, str, Any]  # set on the instance, deleted to undo
 
@@ -63,7 +64,7 @@ def pooled_block_forward(
     parts: BlockParts,
     x: Tensor,
     sizes: Tensor | None,
-    reducer: nn.Module | None,
+    reducer: TokenReducer | None,
     num_prefix: int,
     reduce_at: ReducePosition,
 ) -> tuple[Tensor, Tensor | None]:
@@ -196,7 +197,7 @@ def install_reducers(
     *,
     reduce_at: ReducePosition = "attn",
     method: str | None = None,
-    keep: Any = None,
+    keep: KeepSchedule | None = None,
     carry: bool = False,
     options: dict[str, Any] | None = None,
 ) -> nn.Module:
@@ -223,7 +224,7 @@ def install_reducers(
 def install(
     host: HostAdapter,
     *,
-    keep: Any,
+    keep: KeepLike | None,
     method: str,
     carry: bool,
     reduce_at: ReducePosition,
@@ -232,6 +233,8 @@ def install(
     """Build ``method``'s reducers for ``host`` under ``keep`` and patch it."""
     from leanformer.layers.token_pooling import build_reducers
 
+    # Parsed here, once: the reducers and model.token_pooling.keep get the same schedule.
+    keep = None if keep is None else parse_keep(keep)
     reducers = build_reducers(
         method=method,
         keep=keep,

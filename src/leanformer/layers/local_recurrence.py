@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -93,7 +94,12 @@ class LocalRecurrence(nn.Module):
     def recurrence_weights(self) -> tuple[Tensor, Tensor, Tensor]:
         """``(U [H, C_in], V [H, H], b_h [H])`` whichever path holds them."""
         if self.rnn is not None:
-            return self.rnn.weight_ih_l0, self.rnn.weight_hh_l0, self.rnn.bias_ih_l0 + self.rnn.bias_hh_l0
+            # nn.RNN creates these by name at run time: the type checker cannot see them.
+            u, v, b_ih, b_hh = (
+                cast(Tensor, getattr(self.rnn, n))
+                for n in ("weight_ih_l0", "weight_hh_l0", "bias_ih_l0", "bias_hh_l0")
+            )
+            return u, v, b_ih + b_hh
         assert self.input_proj is not None and self.hidden_weight is not None
         return self.input_proj.weight, self.hidden_weight, self.input_proj.bias
 

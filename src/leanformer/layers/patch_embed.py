@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -46,11 +48,14 @@ class PatchEmbed(nn.Module):
 def to_2tuple(v: int | tuple[int, int] | list[int], *, name: str = "img_size") -> tuple[int, int]:
     """``224`` -> ``(224, 224)``; ``(H, W)`` stays; anything else, or sizes < 1, is a ``ValueError``."""
     side = as_int(v)
-    pair = (v, v) if side is not None else tuple(v) if isinstance(v, tuple | list) else None
+    pair: tuple[Any, ...] | None = (
+        (v, v) if side is not None else tuple(v) if isinstance(v, tuple | list) else None
+    )
     if pair is None or len(pair) != 2:
         raise ValueError(f"{name} must be a size or a (height, width) pair, got {v!r}")
-    check_positive(**{f"{name} height": pair[0], f"{name} width": pair[1]})
-    return (int(pair[0]), int(pair[1]))  # type: ignore[call-overload]
+    sides: dict[str, Any] = {f"{name} height": pair[0], f"{name} width": pair[1]}
+    check_positive(**sides)
+    return (int(pair[0]), int(pair[1]))
 
 
 __all__ = ["PatchEmbed", "resample_pos_embed", "to_2tuple"]

@@ -1,18 +1,21 @@
 """``model.token_pooling``: the reducers a patch installs, and the budget, changeable at run time.
 
-``model.token_pooling.keep = 0.5`` (or a per-block list, a preset name, ``{"r": 16}``)
-rebuilds the reducers for the new budget: the value is validated against the host's
-depth and token count first, so a bad budget raises and leaves the old one in place.
+``model.token_pooling.keep = 0.5`` (or a per-block list, a preset name, ``{"r": 16}``, any
+spelling :func:`leanformer.layers.budgets.parse_keep` reads) rebuilds the reducers for the
+new budget: the value is validated against the host's depth and token count first, so a
+bad budget raises and leaves the old one in place. Reading it gives the parsed
+:class:`~leanformer.layers.budgets.KeepSchedule`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
+from leanformer.layers.budgets import KeepSchedule, parse_keep
 from leanformer.layers.reducer import ReducePosition, TokenReducer
 
 __all__ = ["ReducePosition", "TokenPooling"]
@@ -36,7 +39,7 @@ class TokenPooling(nn.Module):
         grid_size: tuple[int, int],
         reduce_at: ReducePosition = "attn",
         method: str | None = None,
-        keep: Any = None,
+        keep: KeepSchedule | None = None,
         carry: bool = False,
         options: dict[str, Any] | None = None,
     ) -> None:
@@ -67,13 +70,14 @@ class TokenPooling(nn.Module):
         # ModuleDict keys must be strings; blocks without a reducer have no entry.
         return nn.ModuleDict({str(i): r for i, r in enumerate(reducers) if r is not None})
 
-    def reducer(self, index: int) -> nn.Module | None:
+    def reducer(self, index: int) -> TokenReducer | None:
         key = str(index)
-        return self.reducers[key] if key in self.reducers else None  # noqa: SIM401 (ModuleDict has no get)
+        # Every entry passed the TokenReducer check in _as_module_dict.
+        return cast(TokenReducer, self.reducers[key]) if key in self.reducers else None
 
     @property
-    def keep(self) -> Any:
-        """The budget as given (list, ratio, preset name, ``{"r": r}``)."""
+    def keep(self) -> KeepSchedule | None:
+        """The budget the reducers were built for (None: installed by hand or ``conv`` by layers)."""
         return self._keep
 
     @keep.setter
@@ -86,9 +90,10 @@ class TokenPooling(nn.Module):
             raise ValueError("conv layers are learned: re-patch to place them for another budget")
         from leanformer.layers.token_pooling import build_reducers
 
+        schedule = parse_keep(value)
         reducers = build_reducers(  # raises on a bad budget before anything changes
             method=self.method,
-            keep=value,
+            keep=schedule,
             depth=self.depth,
             num_tokens=self.num_tokens,
             dim=self.dim,
@@ -96,10 +101,10 @@ class TokenPooling(nn.Module):
             carry=self.carry,
             **self.options,
         )
-        fresh = self._as_module_dict(reducers).to(self._device_anchor.device)
+        fresh = self._as_module_dict(reducers).to(self.get_buffer("_device_anchor").device)
         fresh.train(self.training)
         self.reducers = fresh
-        self._keep = value
+        self._keep = schedule
 
     @property
     def config(self) -> dict[str, Any]:

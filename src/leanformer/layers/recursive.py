@@ -16,7 +16,7 @@ call signature works, which is how the recursive All-MLP reuses this module.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from timm.layers import Mlp
@@ -39,7 +39,7 @@ class NonLinearProjection(nn.Module):
         ratio: float = 1.0,
         lrc: LRCMode = "both",
         drop: float = 0.0,
-        norm_layer: type[nn.Module] | partial[nn.Module] = LAYER_NORM,
+        norm_layer: Callable[[int], nn.Module] = LAYER_NORM,
         act_layer: type[nn.Module] = nn.GELU,
     ) -> None:
         super().__init__()
@@ -68,7 +68,7 @@ class RecursiveStage(nn.Module):
         nll_ratio: float = 1.0,
         lrc: LRCMode = "both",
         drop: float = 0.0,
-        norm_layer: type[nn.Module] | partial[nn.Module] = LAYER_NORM,
+        norm_layer: Callable[[int], nn.Module] = LAYER_NORM,
     ) -> None:
         super().__init__()
         check_positive(loops=loops)

@@ -21,7 +21,7 @@ is the identity, and is skipped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -144,7 +144,7 @@ class SlicedBlock(nn.Module):
         attn_drop: float = 0.0,
         drop_path: float = 0.0,
         perm_seed: int = 0,
-        norm_layer: type[nn.Module] | partial[nn.Module] = LAYER_NORM,
+        norm_layer: Callable[[int], nn.Module] = LAYER_NORM,
         act_layer: type[nn.Module] = nn.GELU,
     ) -> None:
         super().__init__()

@@ -41,7 +41,7 @@ def _unsupported(msg: str) -> UnsupportedHostError:
     return UnsupportedHostError(f"token pooling cannot patch this model ({LIBRARY}): {msg}")
 
 
-def _attention(attn: nn.Module) -> Any:
+def _attention(attn: Any) -> Any:
     """timm ``Attention`` from its own submodules, with sizes and received scores.
 
     ``x [B, N, C]``, ``sizes [B, N] | None`` -> ``(out [B, N, C], received [B, N] | None)``.
@@ -71,7 +71,7 @@ def _attention(attn: nn.Module) -> Any:
     return run
 
 
-def block_parts(blk: nn.Module) -> BlockParts:
+def block_parts(blk: Any) -> BlockParts:
     return BlockParts(
         norm1=blk.norm1,
         attention=_attention(blk.attn),

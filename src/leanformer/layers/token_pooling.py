@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leanformer.layers.budgets import Budget, budget_to_count, resolve_keep
+from leanformer.layers.budgets import Budget, KeepLike, budget_to_count, parse_keep
 from leanformer.layers.checks import as_int
 from leanformer.ops.clustering import (
     InitMode,
@@ -285,6 +285,7 @@ class ConvDownsample(_Reducer):
             self.conv.weight.zero_()
             eye = torch.eye(dim)[:, :, None, None].expand(dim, dim, 2, 2)
             self.conv.weight.copy_(eye / 4.0)
+            assert self.conv.bias is not None  # Conv2d's default bias=True
             self.conv.bias.zero_()
 
     def grid_for(self, n: int) -> tuple[int, int]:
@@ -332,12 +333,23 @@ class ConvDownsample(_Reducer):
 
 @dataclass(frozen=True)
 class PoolingMethod:
-    """A registry entry: how to build one block's reducer for a budget."""
+    """A registry entry: how to build the reducers of a method for a budget.
+
+    Most methods reduce each block on its own budget: ``make(keep=budget, carry=..., **opts)``
+    builds one block's reducer, and blocks whose budget cannot bind get none. A method that
+    decides its placement over the whole host (``conv``, ``none``) gives ``build`` instead,
+    called as ``build(keep, depth=, num_tokens=, dim=, grid_size=, carry=, **opts)``.
+    """
 
     name: str
     description: str
-    make: Callable[..., nn.Module]
+    make: Callable[..., nn.Module] | None
     options: tuple[str, ...] = ()
+    build: Callable[..., list[nn.Module | None]] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.make is None) == (self.build is None):
+            raise ValueError(f"pooling method {self.name!r}: give exactly one of make and build")
 
 
 def _cluster(algorithm: str, weighted: bool) -> Callable[..., nn.Module]:
@@ -352,6 +364,57 @@ def _select(mode: str) -> Callable[..., nn.Module]:
         return TokenSelection(keep=keep, mode=mode, carry=carry, **opts)
 
     return make
+
+
+def _merge(round_fraction: float) -> Callable[..., nn.Module]:
+    def make(*, keep: Budget, carry: bool) -> nn.Module:
+        return TokenMerging(keep=keep, carry=carry, round_fraction=round_fraction)
+
+    return make
+
+
+def _no_reducers(keep: KeepLike | None, *, depth: int, **_: Any) -> list[nn.Module | None]:
+    """``none``: every block keeps all of its tokens, whatever the budget says."""
+    return [None] * depth
+
+
+def _build_conv(
+    keep: KeepLike | None,
+    *,
+    depth: int,
+    num_tokens: int,
+    dim: int,
+    grid_size: tuple[int, int],
+    carry: bool,
+    layers: Any = None,
+) -> list[nn.Module | None]:
+    """``conv``: a learned downsampler at the blocks in ``layers``, or else at each block
+    where ``keep`` asks to drop at least half of the tokens it receives."""
+    h, w = int(grid_size[0]), int(grid_size[1])
+    if layers is None:
+        if keep is None:
+            raise ValueError("conv pooling needs layers=[block indices] or keep= to place its layers")
+        budgets = parse_keep(keep).per_block(depth=depth, num_tokens=h * w)
+        chosen, n, gh, gw = [], h * w, h, w
+        for i, budget in enumerate(budgets):
+            if n > 1 and budget_to_count(budget, n) <= n // 2:
+                chosen.append(i)
+                gh, gw = -(-gh // 2), -(-gw // 2)
+                n = gh * gw
+        layers = chosen
+    else:
+        if isinstance(layers, int | str):
+            layers = [int(t) for t in str(layers).split(",") if t.strip()]
+        for i in layers:
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < depth:
+                raise ValueError(f"conv layers must be block indices in [0, {depth}), got {i!r}")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"conv layers must be distinct, got {list(layers)}")
+    reducers: list[nn.Module | None] = [None] * depth
+    for i in sorted(layers):
+        reducers[i] = ConvDownsample(dim=dim, grid_size=(h, w), carry=carry)
+        h, w = -(-h // 2), -(-w // 2)
+    return reducers
 
 
 _CLUSTER_OPTS = ("max_iters", "init", "seed")
@@ -373,20 +436,14 @@ METHODS: dict[str, PoolingMethod] = {
         PoolingMethod(
             "importance", "K tokens sampled in proportion to significance", _select("importance"), ("seed",)
         ),
+        PoolingMethod("merge", "ToMe bipartite soft matching", _merge(0.5)),
         PoolingMethod(
-            "merge",
-            "ToMe bipartite soft matching",
-            lambda *, keep, carry: TokenMerging(keep=keep, carry=carry),
+            "stepmerge", "bipartite merging in rounds of at most a quarter of the tokens", _merge(0.25)
         ),
         PoolingMethod(
-            "stepmerge",
-            "bipartite merging in rounds of at most a quarter of the tokens",
-            lambda *, keep, carry: TokenMerging(keep=keep, carry=carry, round_fraction=0.25),
+            "conv", "learned 2x2 stride-2 conv on the token grid", None, ("layers",), build=_build_conv
         ),
-        PoolingMethod(
-            "conv", "learned 2x2 stride-2 conv on the token grid", lambda **_: nn.Identity(), ("layers",)
-        ),
-        PoolingMethod("none", "no reduction", lambda **_: nn.Identity()),
+        PoolingMethod("none", "no reduction", None, build=_no_reducers),
     )
 }
 
@@ -410,7 +467,7 @@ def pooling_method(name: str) -> PoolingMethod:
 def build_reducers(
     *,
     method: str,
-    keep: Any,
+    keep: KeepLike | None,
     depth: int,
     num_tokens: int,
     dim: int,
@@ -442,11 +499,12 @@ def build_reducers(
         )
     if "seed" in options and as_int(options["seed"]) is None:
         raise ValueError(f"pooling option seed must be an integer, got {options['seed']!r}")
-    if method == "none":
-        return [None] * depth
-    if method == "conv":
-        return _build_conv(keep, depth=depth, dim=dim, grid_size=grid_size, carry=carry, **options)
-    budgets = resolve_keep(keep, depth=depth, num_tokens=num_tokens)
+    if spec.build is not None:
+        return spec.build(
+            keep, depth=depth, num_tokens=num_tokens, dim=dim, grid_size=grid_size, carry=carry, **options
+        )
+    assert spec.make is not None
+    budgets = parse_keep(keep).per_block(depth=depth, num_tokens=num_tokens)
     reducers: list[nn.Module | None] = []
     n = num_tokens
     for budget in budgets:
@@ -454,40 +512,4 @@ def build_reducers(
         binds = k < n if isinstance(budget, int) else budget < 1.0
         reducers.append(spec.make(keep=budget, carry=carry, **options) if binds else None)
         n = k
-    return reducers
-
-
-def _build_conv(
-    keep: Any,
-    *,
-    depth: int,
-    dim: int,
-    grid_size: tuple[int, int],
-    carry: bool,
-    layers: Any = None,
-) -> list[nn.Module | None]:
-    h, w = int(grid_size[0]), int(grid_size[1])
-    if layers is None:
-        if keep is None:
-            raise ValueError("conv pooling needs layers=[block indices] or keep= to place its layers")
-        budgets = resolve_keep(keep, depth=depth, num_tokens=h * w)
-        chosen, n, gh, gw = [], h * w, h, w
-        for i, budget in enumerate(budgets):
-            if n > 1 and budget_to_count(budget, n) <= n // 2:
-                chosen.append(i)
-                gh, gw = -(-gh // 2), -(-gw // 2)
-                n = gh * gw
-        layers = chosen
-    else:
-        if isinstance(layers, int | str):
-            layers = [int(t) for t in str(layers).split(",") if t.strip()]
-        for i in layers:
-            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < depth:
-                raise ValueError(f"conv layers must be block indices in [0, {depth}), got {i!r}")
-        if len(set(layers)) != len(layers):
-            raise ValueError(f"conv layers must be distinct, got {list(layers)}")
-    reducers: list[nn.Module | None] = [None] * depth
-    for i in sorted(layers):
-        reducers[i] = ConvDownsample(dim=dim, grid_size=(h, w), carry=carry)
-        h, w = -(-h // 2), -(-w // 2)
     return reducers

@@ -22,6 +22,7 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from leanformer.layers.budgets import KeepLike
 from leanformer.layers.checks import check_positive, check_positive_number, check_rates, head_dim
 from leanformer.layers.classifier import classifier
 from leanformer.layers.host_adapter import install
@@ -69,7 +70,7 @@ class DeiT(VisionTransformer):
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.0,
         pool: str = "none",
-        keep: Any = None,
+        keep: KeepLike | None = None,
         carry: bool = False,
         reduce_at: ReducePosition = "attn",
         pool_options: dict[str, Any] | None = None,
@@ -227,7 +228,8 @@ def _timm_entrypoint(name: str) -> Any:
         # pretrained=True loads the weights shipped with leanformer (and refuses a preset
         # without them, naming those that have them).
         model = create_model(name, pretrained=pretrained, **kwargs)
-        model.pretrained_cfg = model.default_cfg = dict(default_cfgs[name], architecture=name)
+        cfg = dict(default_cfgs[name], architecture=name)
+        model.pretrained_cfg = model.default_cfg = cfg  # type: ignore[assignment]
         return model
 
     build.__name__ = build.__qualname__ = name

@@ -218,7 +218,8 @@ class DETREncoder(nn.Module):
 
     def cluster_ratios(self) -> list[float]:
         """Per ENACT layer, the mean over maps of clusters / valid positions in the last call."""
-        return layer_cluster_ratios(layer.self_attn for layer in self.layers)
+        layers: list[Any] = list(self.layers)  # encoder layers, each with its self_attn
+        return layer_cluster_ratios(layer.self_attn for layer in layers)
 
     def bench_extras(self) -> dict[str, Any]:
         """Fields for ``leanformer bench``: attention kind and mean cluster ratio L/HW of the last call."""

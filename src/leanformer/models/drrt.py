@@ -41,6 +41,8 @@ from leanformer.layers.patch_embed import to_2tuple
 from leanformer.layers.relation import RELATION_FORMS, GlobalRelation, RegionalRelation, check_region_labels
 from leanformer.models.registry import register
 
+Extractor = ImagePatchTokens | PointTokens  # what turns one side's input into tokens
+
 Modality = Literal["image", "points"]
 Inputs = Literal["both", "a", "b"]
 Relations = Literal["both", "global", "regional"]
@@ -138,10 +140,10 @@ class DRRT(nn.Module):
         self.embed_dim = self.num_features = dim
         self.img_size = to_2tuple(img_size)
         self.in_chans = in_chans
-        extractor_kw = dict(
+        extractor_kw: dict[str, Any] = dict(
             dim=dim, depth=extractor_depth, num_heads=num_heads, mlp_ratio=mlp_ratio, drop=drop_rate
         )
-        shape_kw = dict(
+        shape_kw: dict[str, Any] = dict(
             img_size=img_size, patch_size=patch_size, in_chans=in_chans, points_grid=points_grid,
             point_features=point_features,
         )  # fmt: skip
@@ -162,17 +164,17 @@ class DRRT(nn.Module):
         self.map_rnns = nn.ModuleDict()
         self.interaction: InteractionTransformer | None = None
         if inputs == "both":
-            ext_a, ext_b = self.extractors["a"], self.extractors["b"]
+            ext_a, ext_b = self._extractor("a"), self._extractor("b")
             n, m = ext_a.num_tokens, ext_b.num_tokens
-            rel_kw = dict(relation_dim=relation_dim or dim, form=relation)
+            rel_kw: dict[str, Any] = dict(relation_dim=relation_dim or dim, form=relation)
             kinds = {"both": ("global", "regional"), "global": ("global",), "regional": ("regional",)}[
                 relations
             ]
             if "global" in kinds:
-                self.global_relation = GlobalRelation(dim, dim, **rel_kw)  # type: ignore[arg-type]
+                self.global_relation = GlobalRelation(dim, dim, **rel_kw)
             if "regional" in kinds:
                 ra, rb, k = _default_regions(ext_a, ext_b, region_a, region_b, num_regions, region_grid)
-                self.regional_relation = RegionalRelation(dim, dim, num_regions=k, **rel_kw)  # type: ignore[arg-type]
+                self.regional_relation = RegionalRelation(dim, dim, num_regions=k, **rel_kw)
                 self.register_buffer("region_a", ra, persistent=False)
                 self.register_buffer("region_b", rb, persistent=False)
             elif region_a is not None or region_b is not None:
@@ -261,12 +263,12 @@ class DRRT(nn.Module):
                 "DRRT inputs are an image and/or point measurements; feature_size does not apply"
             )
         device = next(self.parameters()).device
-        out = []
+        out: list[Tensor | None] = []
         for s in ("a", "b"):
             if s not in self.sides:
                 out.append(None)
                 continue
-            ext = self.extractors[s]
+            ext = self._extractor(s)
             if isinstance(ext, ImagePatchTokens):
                 size = to_2tuple(img_size) if img_size is not None else ext.img_size
                 out.append(torch.randn(batch_size, ext.in_chans, *size, device=device))
@@ -278,6 +280,11 @@ class DRRT(nn.Module):
         return tuple(torch.zeros(batch_size, 0, device=device) if t is None else t for t in out)
 
     # -- internals ------------------------------------------------------------------------
+
+    def _extractor(self, side: str) -> Extractor:
+        extractor = self.extractors[side]
+        assert isinstance(extractor, ImagePatchTokens | PointTokens)
+        return extractor
 
     def _relate(
         self, a: Tensor, b: Tensor, region_a: Tensor | None, region_b: Tensor | None
@@ -311,10 +318,10 @@ class DRRT(nn.Module):
         if (region_a is None) != (region_b is None):
             raise ValueError("pass both region_a and region_b, or neither (to use the model's own)")
         if region_a is not None and region_b is not None:
-            ra = self.extractors["a"].token_regions(region_a, k)
-            rb = self.extractors["b"].token_regions(region_b, k)
+            ra = self._extractor("a").token_regions(region_a, k)
+            rb = self._extractor("b").token_regions(region_b, k)
             return ra, rb, True
-        ra, rb = self.region_a, self.region_b
+        ra, rb = self.get_buffer("region_a"), self.get_buffer("region_b")
         if ra.shape[-1] != a.shape[1] or rb.shape[-1] != b.shape[1]:
             raise ValueError(
                 f"the model's region labels are for {ra.shape[-1]} x {rb.shape[-1]} tokens, the inputs gave "
@@ -332,7 +339,7 @@ def _build_extractor(
     points_grid: int | tuple[int, int],
     point_features: int,
     **kw: Any,
-) -> ImagePatchTokens | PointTokens:
+) -> Extractor:
     if modality == "image":
         return ImagePatchTokens(img_size=img_size, patch_size=patch_size, in_chans=in_chans, **kw)
     if modality == "points":
@@ -341,8 +348,8 @@ def _build_extractor(
 
 
 def _default_regions(
-    ext_a: nn.Module,
-    ext_b: nn.Module,
+    ext_a: Extractor,
+    ext_b: Extractor,
     region_a: Any,
     region_b: Any,
     num_regions: int | None,
@@ -400,9 +407,12 @@ _TINY: dict[str, Any] = dict(
     img_size=8, patch_size=4, points_grid=(2, 3), region_grid=(1, 2), dim=16, extractor_depth=1, num_heads=2,
     num_classes=3,
 )  # fmt: skip
-for _name, _opts in {
+_TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "drrt_test": {},
     "drt_test": {"recurrence": False},
     "drrt_test_concat": {"fusion": "concat", "rnn_act": "identity"},
-}.items():
-    register(_name, DRRT, family="drrt", tiny=True, description=f"tiny {_name} for tests", **_TINY, **_opts)
+}
+for _name, _tiny_opts in _TINY_VARIANTS.items():
+    register(
+        _name, DRRT, family="drrt", tiny=True, description=f"tiny {_name} for tests", **_TINY, **_tiny_opts
+    )

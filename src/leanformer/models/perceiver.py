@@ -39,6 +39,7 @@ from leanformer.layers.classifier import classifier
 from leanformer.layers.cross_attention import CrossAttentionBlock
 from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import PatchEmbed, resample_pos_embed, to_2tuple
+from leanformer.models.query_budget import check_query_count
 from leanformer.models.registry import register
 from leanformer.ops.query_selection import DQS_RULES, bucket_counts, kept_positions, select_queries
 from leanformer.ops.ragged import RaggedBatch
@@ -120,7 +121,7 @@ class VisualPerceiver(nn.Module):
         # Ordered latent queries: query i is used whenever K > i.
         self.queries = nn.Parameter(torch.zeros(num_queries, embed_dim))
         dpr = torch.linspace(0, drop_path_rate, depth + 2).tolist()
-        common = dict(
+        common: dict[str, Any] = dict(
             qkv_bias=qkv_bias, init_values=init_values, proj_drop=drop_rate, attn_drop=attn_drop_rate
         )
         self.cross = CrossAttentionBlock(
@@ -174,11 +175,7 @@ class VisualPerceiver(nn.Module):
             raise ValueError("pass either num_queries or query_index, not both")
         if query_index is not None:
             return self.queries[self._check_index(query_index, batch_size)]
-        K = self.num_queries if num_queries is None else num_queries
-        if isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= self.num_queries:
-            raise ValueError(
-                f"num_queries must be an integer in [1, {self.num_queries}], got {num_queries!r}"
-            )
+        K = self.num_queries if num_queries is None else check_query_count(num_queries, self.num_queries)
         queries = self.queries[None, :K]
         # A view of a parameter made under no_grad claims requires_grad without a grad_fn,
         # which trips module hooks (FlopCounterMode's module tracker): detach it there.

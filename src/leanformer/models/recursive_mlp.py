@@ -13,7 +13,7 @@ must have the model's ``img_size``.
 
 from __future__ import annotations
 
-from functools import partial
+from collections.abc import Callable
 
 from timm.layers import DropPath, Mlp
 from torch import Tensor, nn
@@ -40,7 +40,7 @@ class RecursiveMixerBlock(nn.Module):
         lrc: LRCMode = "both",
         drop: float = 0.0,
         drop_path: float = 0.0,
-        norm_layer: type[nn.Module] | partial[nn.Module] = LAYER_NORM,
+        norm_layer: Callable[[int], nn.Module] = LAYER_NORM,
     ) -> None:
         super().__init__()
         check_positive(token_mlp_dim=token_mlp_dim, channel_mlp_dim=channel_mlp_dim)

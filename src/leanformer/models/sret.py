@@ -27,7 +27,7 @@ Token counts must be divisible by the groups of their stage; other sizes raise a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import torch
 import torch.nn.functional as F
@@ -305,23 +305,28 @@ class SReT(nn.Module):
         sliced = full = 0.0
         for s, (h, w) in enumerate(self.stage_grids(self.img_size)):
             n2 = float(h * w) ** 2 * self.embed_dims[s]
-            reps = len(self.stages[s].blocks)
+            reps = len(self._stage(s).blocks)
             sliced += reps * sum(n2 / g for g in self.groups[s])
             full += reps * n2 * len(self.groups[s])
         return sliced / full if full else 1.0
+
+    def _stage(self, index: int) -> RecursiveStage:
+        return cast(RecursiveStage, self.stages[index])
 
     def bench_extras(self) -> dict[str, object]:
         return {
             "groups": [list(g) for g in self.groups],
             "permutation": self.permutation,
             "attention_cost_ratio": round(self.attention_cost_ratio(), 4),
-            "depth": sum(stage.depth for stage in self.stages),
+            "depth": sum(self._stage(s).depth for s in range(len(self.stages))),
         }
 
 
 _UNSLICED = ((1, 1), (1, 1), (1, 1))
-_TINY = dict(stem_chs=(32, 64), embed_dims=(64, 128, 256), num_heads=(2, 4, 8), unique=(2, 5, 3))
-_SMALL = dict(
+_TINY: dict[str, Any] = dict(
+    stem_chs=(32, 64), embed_dims=(64, 128, 256), num_heads=(2, 4, 8), unique=(2, 5, 3)
+)
+_SMALL: dict[str, Any] = dict(
     stem_chs=(63, 126), embed_dims=(126, 252, 504), num_heads=(3, 6, 12), mlp_ratio=3.0, nll_ratio=2.0
 )
 # SReT-B is not in the public code. Table 7's row (widths 336/672/1344, 2/5/3 unique
@@ -329,7 +334,7 @@ _SMALL = dict(
 # reports, so that row cannot be what was counted. We keep its stem, widths and ratios
 # and use 2/4/1 unique blocks, the closest structure to 71.2M with those (71.48M, +0.4%).
 # 56 channels per head is our choice (heads do not change the parameter count).
-_BASE = dict(
+_BASE: dict[str, Any] = dict(
     stem_chs=(96, 168),
     embed_dims=(336, 672, 1344),
     num_heads=(6, 12, 24),
@@ -389,7 +394,7 @@ register(
     num_classes=10,
     stem_strides=(2, 1, 1),
 )
-_DIGITS = dict(
+_DIGITS: dict[str, Any] = dict(
     img_size=32,
     in_chans=1,
     num_classes=10,

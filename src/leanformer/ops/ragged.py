@@ -94,7 +94,7 @@ class RaggedBatch:
         """
         self._check(packed)
         biases = self.attention_biases(packed.dtype)
-        out = []
+        out: list[tuple[Tensor, Tensor | None]] = []
         for bk, bias in zip(self.buckets, biases, strict=True):
             if bk.slot_rows is None:
                 out.append((packed[bk.start : bk.stop].reshape(bk.num_seqs, bk.length, -1), None))

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from leanformer.layers.budgets import KeepLike
 from leanformer.layers.host_adapter import HostAdapter, UnsupportedHostError, install, unpatch_host
 from leanformer.layers.pooling_state import TokenPooling
 from leanformer.layers.reducer import ReducePosition
@@ -50,7 +51,7 @@ def adapt(model: nn.Module) -> HostAdapter:
 def apply_token_pooling(
     model: nn.Module,
     *,
-    keep: Any,
+    keep: KeepLike,
     method: str = "wkmedoids",
     carry: bool = True,
     reduce_at: ReducePosition = "attn",
@@ -58,10 +59,12 @@ def apply_token_pooling(
 ) -> nn.Module:
     """Insert a token reduction into a timm or Hugging Face vision transformer, in place.
 
-    ``keep``: per-block maxima (one int per block), a keep ratio in (0, 1], a named
-    schedule (e.g. ``"deit_s_level3"``) or ToMe's ``{"r": 16}`` (remove 16 tokens per
-    block), as in :func:`leanformer.layers.token_pooling.build_reducers`; change it
-    later with ``model.token_pooling.keep = ...``. ``method``: any name of
+    ``keep``: per-block budgets (an int is a token count, a float a keep ratio in (0, 1]),
+    one keep ratio for every block (a float: ``1.0`` keeps all, a bare int is refused), a
+    named schedule (e.g. ``"deit_s_level3"``), ToMe's ``{"r": 16}`` (remove 16 tokens per
+    block) or a :class:`leanformer.layers.budgets.KeepSchedule`: anything
+    :func:`leanformer.layers.budgets.parse_keep` reads; change it later with
+    ``model.token_pooling.keep = ...``. ``method``: any name of
     :func:`leanformer.layers.token_pooling.list_methods`. ``carry``: track token sizes
     and weigh keys (and an average or attention pool) by them. Prefix tokens (class,
     distillation, registers) are never pooled. Returns the model.

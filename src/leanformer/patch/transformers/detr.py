@@ -68,7 +68,7 @@ class DetrEnactAttention(EntropyClusteredAttention):
 
     def __init__(
         self,
-        host: nn.Module,
+        host: Any,  # the DETR attention it wraps: q/k/v/o_proj, attention_dropout
         *,
         num_heads: int,
         sigma: float = 3.0,
@@ -101,10 +101,12 @@ class DetrEnactAttention(EntropyClusteredAttention):
         """No parameters of our own: the host's projections are attached in ``__init__``."""
 
     def _proj(self, x: Tensor, which: int) -> Tensor:
-        return (self.q_proj, self.k_proj, self.v_proj)[which](x)
+        projection: nn.Module = (self.q_proj, self.k_proj, self.v_proj)[which]
+        return projection(x)
 
     def _out(self, x: Tensor) -> Tensor:
-        return self.o_proj(x)
+        out: nn.Module = self.o_proj
+        return out(x)
 
     def forward(  # type: ignore[override]  # the host's calling convention, not DenseSelfAttention's
         self,
@@ -150,8 +152,9 @@ class _EnactHooks:
         return args, kwargs
 
 
-def _detr_core(model: nn.Module) -> tuple[nn.Module, type, type]:
-    """The ``DetrModel``-like module holding backbone, position embedding and encoder."""
+def _detr_core(model: nn.Module) -> tuple[Any, type, type]:
+    """The ``DetrModel``-like module holding backbone, position embedding and encoder
+    (typed ``Any``: its structure is checked here and in :func:`_check_layer`)."""
     entry = _HOSTS.get(type(model))
     if entry is None:
         names = ", ".join(sorted(cls.__name__ for cls in _HOSTS))
@@ -164,20 +167,21 @@ def _detr_core(model: nn.Module) -> tuple[nn.Module, type, type]:
     return core, layer_cls, attn_cls
 
 
-def _check_layer(i: int, layer: nn.Module, layer_cls: type, attn_cls: type) -> int:
+def _check_layer(i: int, layer: nn.Module, layer_cls: type, attn_cls: type[Any]) -> int:
     """Check one encoder layer is the structure the patch knows; returns its head count."""
     if type(layer) is not layer_cls:
         raise _unsupported(f"encoder layer {i} is {type(layer).__name__}, expected {layer_cls.__name__}")
-    attn = getattr(layer, "self_attn", None)
+    attn: Any = getattr(layer, "self_attn", None)
     if type(attn) is not attn_cls:
         raise _unsupported(
             f"encoder layer {i}'s self_attn is {type(attn).__name__}, expected {attn_cls.__name__}"
         )
     projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if not all(isinstance(p, nn.Linear) for p in projections):
+    linears = [p for p in projections if isinstance(p, nn.Linear)]
+    if len(linears) != len(projections):
         raise _unsupported(f"encoder layer {i}'s self_attn lacks nn.Linear q_proj/k_proj/v_proj/o_proj")
-    d_model = projections[0].in_features
-    if any(p.in_features != d_model or p.out_features != d_model for p in projections):
+    d_model = linears[0].in_features
+    if any(p.in_features != d_model or p.out_features != d_model for p in linears):
         raise _unsupported(f"encoder layer {i}'s projections are not all {d_model} -> {d_model}")
     head_dim = int(attn.head_dim)
     if d_model % head_dim != 0 or abs(float(attn.scaling) - head_dim**-0.5) > 1e-12:

@@ -87,7 +87,7 @@ def supported_models() -> list[str]:
     return list(_FAMILIES)
 
 
-def _attention(attn: nn.Module) -> Any:
+def _attention(attn: Any) -> Any:
     """A ``transformers`` self-attention (separate q/k/v projections) from its own parts."""
     head_dim = int(attn.head_dim)
     heads = attn.q_proj.out_features // head_dim
@@ -116,7 +116,7 @@ def _attention(attn: nn.Module) -> Any:
 
 
 def _parts(layout: _Layout) -> Callable[[nn.Module], BlockParts]:
-    def parts(layer: nn.Module) -> BlockParts:
+    def parts(layer: Any) -> BlockParts:
         return BlockParts(
             norm1=getattr(layer, layout.norm1),
             attention=_attention(getattr(layer, layout.attention)),
@@ -195,7 +195,7 @@ def adapt(model: nn.Module) -> HostAdapter:
         missing = [p for p in ("q_proj", "k_proj", "v_proj", "head_dim") if not hasattr(attn, p)]
         if missing:
             raise _unsupported(f"layer {i} attention lacks {', '.join(missing)}")
-    config = base.config
+    config: Any = base.config
     grid_h, grid_w = (i // p for i, p in zip(_pair(config.image_size), _pair(config.patch_size), strict=True))
     return HostAdapter(
         library=LIBRARY,
