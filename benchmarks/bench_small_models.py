@@ -15,6 +15,9 @@ medians over runs:
   Goal: at most 5% eager, 3% compiled.
 - ``sret``: ``sret_tiny`` against ``sret_tiny_unsliced`` at 224, batch 32. Goal: speedup
   at least 0.9x their FLOPs ratio.
+- ``fashion``: ``deit_fashion`` (197 tokens, width 64) at the ``tradeoff_fashion`` budgets:
+  ``stepmerge`` against ``merge`` (and ``none``), at ``--deit-batches``. Goal: stepmerge at
+  least 0.9x merge's img/s at every budget.
 
 With ``--compile`` every candidate is also compiled (``torch.compile(fullgraph=True)``,
 inductor) and timed beside its eager self; compile times are reported apart. Set the
@@ -190,7 +193,33 @@ def bench_sret(args: argparse.Namespace) -> list[dict[str, Any]]:
     return compare_models("sret", models, x, baseline="sret_tiny_unsliced", args=args)
 
 
-PARTS = {"digits": bench_digits, "deit_small": bench_deit_small, "layer": bench_layer, "sret": bench_sret}
+def bench_fashion(args: argparse.Namespace) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    base = create_model("deit_fashion").eval()
+    rows = []
+    for keep in FASHION_BUDGETS:
+        models: dict[str, nn.Module] = {"none": base}
+        for method in ("merge", "stepmerge"):
+            model = create_model("deit_fashion", pool=method, keep=keep, carry=True)
+            model.load_state_dict(base.state_dict())
+            models[f"{method} {keep}"] = model.eval()
+        for batch in args.deit_batches:
+            rows += compare_models(
+                "fashion", models, torch.randn(batch, 1, 28, 28), baseline="none", args=args
+            )
+    return rows
+
+
+# The keep ratios of configs/tradeoff_fashion.yaml.
+FASHION_BUDGETS = (0.97, 0.9, 0.8, 0.68, 0.62, 0.5)
+
+PARTS = {
+    "digits": bench_digits,
+    "deit_small": bench_deit_small,
+    "layer": bench_layer,
+    "sret": bench_sret,
+    "fashion": bench_fashion,
+}
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
