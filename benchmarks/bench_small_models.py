@@ -43,7 +43,7 @@ from leanformer.bench.compiled import compile_for_inference
 from leanformer.bench.flops import count_gflops
 from leanformer.bench.results import write_jsonl
 from leanformer.bench.timing import time_interleaved
-from leanformer.commands.demo_tokenpool import DEMO_SWEEP
+from leanformer.commands.demo_tokenpool import DIGITS_SWEEP
 from leanformer.layers.block import Block
 from leanformer.layers.token_pooling import build_reducers
 from leanformer.models.registry import create_model
@@ -106,8 +106,8 @@ def bench_digits(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = create_model("deit_digits").eval()
     models: dict[str, nn.Module] = {"none": base}
     extra: dict[str, dict[str, Any]] = {"none": {"method": "none", "keep": "all"}}
-    for method in args.methods or DEMO_SWEEP["methods"]:
-        for keep in [DEMO_SWEEP["budgets"][i] for i in args.budgets]:
+    for method in args.methods or DIGITS_SWEEP["methods"]:
+        for keep in [DIGITS_SWEEP["budgets"][i] for i in args.budgets]:
             name = f"{method} {_label(keep)}"
             model = create_model("deit_digits", pool=method, keep=keep, carry=True)
             model.load_state_dict(base.state_dict())
