@@ -55,7 +55,7 @@ def main() -> None:
     path.chmod(0o644)  # package data: readable by every user of an installed copy
     card = {
         "model": args.name,
-        "model_options": {k: v for k, v in config["model_options"].items()},
+        "model_options": config["model_options"],
         "top1": top1["test"],
         "top1_val": top1["val"],
         "data": {

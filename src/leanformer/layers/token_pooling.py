@@ -48,7 +48,7 @@ from leanformer.ops.clustering import (
     kmedoids_plan,
     weighted_segment_mean,
 )
-from leanformer.ops.merging import bipartite_merge_plan
+from leanformer.ops.merging import bipartite_merge_plan, check_round_fraction
 from leanformer.ops.token_selection import gather_tokens, importance_indices, random_indices, topk_indices
 
 
@@ -245,8 +245,7 @@ class TokenMerging(_Reducer):
 
     def __init__(self, *, keep: Budget, carry: bool = False, round_fraction: float = 0.5) -> None:
         super().__init__(keep=keep, carry=carry)
-        if not 0.0 < round_fraction <= 0.5:
-            raise ValueError(f"round_fraction must be in (0, 0.5], got {round_fraction!r}")
+        check_round_fraction(round_fraction)
         self.round_fraction = round_fraction
 
     def _reduce(

@@ -52,6 +52,12 @@ def _bipartite_round(x: Tensor, r: int) -> Tensor:
     return assign
 
 
+def check_round_fraction(round_fraction: float) -> None:
+    """The most one round may remove: a fraction in (0, 0.5] (a round cannot remove more than set A)."""
+    if not 0.0 < round_fraction <= 0.5:
+        raise ValueError(f"round_fraction must be in (0, 0.5], got {round_fraction!r}")
+
+
 @torch.no_grad()
 def bipartite_merge_plan(
     x: Tensor, k: int, *, sizes: Tensor | None = None, round_fraction: float = 0.5
@@ -65,8 +71,7 @@ def bipartite_merge_plan(
     B, N, _ = x.shape
     if k < 1:
         raise ValueError(f"number of merged tokens must be at least 1, got {k}")
-    if not 0.0 < round_fraction <= 0.5:
-        raise ValueError(f"round_fraction must be in (0, 0.5], got {round_fraction}")
+    check_round_fraction(round_fraction)
     x = x.detach()
     w = torch.ones(B, N, dtype=x.dtype, device=x.device) if sizes is None else sizes.detach().to(x.dtype)
     assign = torch.arange(N, device=x.device).expand(B, N)
