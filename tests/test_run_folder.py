@@ -120,6 +120,23 @@ def test_nan_message_names_a_checkpoint_only_if_there_is_one(tmp_path: Path) -> 
     assert "last good" not in str(info.value) and not (tmp_path / "last.safetensors").exists()
 
 
+def test_a_run_stopped_before_its_first_epoch_leaves_nothing(tmp_path: Path) -> None:
+    """Its config alone would make the same command with a smaller lr need --overwrite."""
+    out = tmp_path / "run"
+    diverging = load_config(None, {**FAST, "optim.lr": "1e6", "data.batch_size": "4"})
+    with pytest.raises(NonFiniteLossError, match="keeps nothing of this run"):
+        fit(diverging, out_dir=out, progress=False)
+    assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("the user's own file\n")
+    with pytest.raises(NonFiniteLossError):
+        fit(diverging, out_dir=kept, progress=False)
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]
+    fit(load_config(None, FAST), out_dir=out, progress=False)  # no --overwrite needed
+    assert (out / "last.safetensors").is_file()
+
+
 def test_files_get_the_same_permissions(tmp_path: Path, reference: Path) -> None:
     modes = {name: stat.S_IMODE((reference / name).stat().st_mode) for name in RUN_FILES}
     umask = os.umask(0)

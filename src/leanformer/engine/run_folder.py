@@ -59,6 +59,15 @@ def clear_run(folder: Path) -> None:
     remove_stale_temporaries(folder)
 
 
+def discard_uncommitted_run(folder: Path) -> None:
+    """Remove a run that never committed an epoch, and its folder if that leaves it empty."""
+    clear_run(folder)
+    try:
+        folder.rmdir()
+    except OSError:  # the folder holds other files of the user's: keep it
+        pass
+
+
 def remove_stale_temporaries(folder: Path) -> list[Path]:
     """Delete what interrupted writes of this run left in ``folder``; return what was removed.
 

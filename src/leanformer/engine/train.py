@@ -38,6 +38,7 @@ from leanformer.engine.run_folder import (
     CONFIG_NAME,
     check_new_run_folder,
     clear_run,
+    discard_uncommitted_run,
     read_metrics,
     recover,
     remove_stale_temporaries,
@@ -211,13 +212,15 @@ def _check_forward(model: nn.Module, dataset: Any, device: torch.device) -> None
             model.train(was_training)
 
 
-def _stop_message(loss: Tensor, epoch: int, step: int, out: Path | None) -> str:
+def _stop_message(loss: Tensor, epoch: int, step: int, out: Path | None, *, discarded: bool) -> str:
     """Why training stopped, naming the checkpoint to go back to only if there is one."""
     message = f"loss became {loss.item()} at epoch {epoch + 1}, step {step + 1}; training stopped"
     if out is not None and (out / CHECKPOINT_NAME).is_file():
         return f"{message}; the last good checkpoint is {out / CHECKPOINT_NAME}"
     if out is not None:
         message += "; no checkpoint was written"
+    if discarded:
+        message += f", and {out} keeps nothing of this run"
     # Diverging in the first epoch is nearly always a learning rate far too high.
     return message + (" (is the learning rate too high?)" if epoch == 0 else "")
 
@@ -353,7 +356,13 @@ def fit(
                 loss = loss_fn(logits, target, inputs)
                 # One host sync per step: a diverged run must stop before it overwrites anything.
                 if not torch.isfinite(loss).item():
-                    raise NonFiniteLossError(_stop_message(loss, epoch, step, out))
+                    # Nothing committed yet: leave no half-run behind, so the same
+                    # command with a smaller learning rate needs no --overwrite.
+                    discard = out is not None and dist_info.is_main and not history
+                    message = _stop_message(loss, epoch, step, out, discarded=discard)
+                    if discard and out is not None:
+                        discard_uncommitted_run(out)
+                    raise NonFiniteLossError(message)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if cfg.train.grad_clip is not None:
