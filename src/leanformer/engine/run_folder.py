@@ -15,6 +15,7 @@ nor repeats a metrics line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -62,10 +63,8 @@ def clear_run(folder: Path) -> None:
 def discard_uncommitted_run(folder: Path) -> None:
     """Remove a run that never committed an epoch, and its folder if that leaves it empty."""
     clear_run(folder)
-    try:
+    with contextlib.suppress(OSError):  # the folder holds files of the user's: keep it
         folder.rmdir()
-    except OSError:  # the folder holds other files of the user's: keep it
-        pass
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
