@@ -37,7 +37,7 @@ def test_singleton_regions_equal_dense_attention():
     dense = make(DenseSelfAttention)
     enact = make(regions="single")
     missing = enact.load_state_dict(dense.state_dict(), strict=False)
-    assert set(missing.missing_keys) == {"entropy_proj.weight", "entropy_proj.bias"}
+    assert set(missing.missing_keys) == {"entropy_proj.weight"}
     valid = ~mask
     torch.testing.assert_close(enact(x, pos, shape, mask)[valid], dense(x, pos, shape, mask)[valid])
     torch.testing.assert_close(enact(x, pos, shape), dense(x, pos, shape))
@@ -170,3 +170,14 @@ def test_bad_inputs_raise():
         EntropyClusteredAttention(D, HEADS, sigma=-1.0)
     with pytest.raises(ValueError, match="divisible"):
         EntropyClusteredAttention(D, 3)
+
+
+def test_checkpoint_with_the_old_projection_bias_still_loads():
+    """The projection once had a bias, which the softmax over positions cancels: such a
+    state dict loads strictly, the bias is dropped, and the output is unchanged."""
+    x, pos, _, shape = padded_inputs()
+    enact = make()
+    old = {**enact.state_dict(), "entropy_proj.bias": torch.tensor([3.0], dtype=torch.float64)}
+    again = make(seed=1)
+    again.load_state_dict(old)
+    torch.testing.assert_close(again(x, pos, shape), enact(x, pos, shape))

@@ -11,6 +11,7 @@ padding, as DETR and ``nn.MultiheadAttention``). As in DETR the queries and keys
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -166,9 +167,18 @@ class EntropyClusteredAttention(DenseSelfAttention):
         self.sigma = check_sigma(sigma)
         self.regions = regions
         self.cluster_inputs = cluster_inputs
-        self.entropy_proj = nn.Linear(d_model, 1)
+        # No bias: the softmax over positions cancels any constant added to every logit.
+        self.entropy_proj = nn.Linear(d_model, 1, bias=False)
         self.last_cluster_counts: Tensor | None = None
         self.last_valid_counts: Tensor | None = None
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        # Checkpoints from before the projection lost its bias hold one; it never changed
+        # the output, so it is dropped rather than refused.
+        state_dict.pop(prefix + "entropy_proj.bias", None)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def entropy(self, k_in: Tensor, valid: Tensor | None) -> Tensor:
         """Keys ``[B, N, C]`` -> entropy terms ``[B, N]`` (differentiable)."""

@@ -83,5 +83,6 @@ def bipartite_merge_plan(
         step = _bipartite_round(cur, r)
         assign = step.gather(1, assign)
         n -= r
-        cur, cur_w = weighted_segment_mean(cur, cur_w, step, n)
+        if n > k:  # the next round matches the merged tokens; after the last, only the plan counts
+            cur, cur_w = weighted_segment_mean(cur, cur_w, step, n)
     return assign
