@@ -12,7 +12,7 @@ import timm
 import torch
 import yaml
 
-from leanformer.bench.tradeoff import (
+from leanformer.apps.tradeoff import (
     SweepConfig,
     _add_relative,
     budget_label,

@@ -14,8 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from leanformer.bench.plots import plot_tradeoff
-from leanformer.bench.tradeoff import _add_relative, iter_rows, markdown_table, summarise_seeds
+from leanformer.apps.plots import plot_tradeoff
+from leanformer.apps.tradeoff import _add_relative, iter_rows, markdown_table, summarise_seeds
 
 
 def main() -> None:

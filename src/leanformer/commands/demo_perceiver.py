@@ -78,7 +78,7 @@ def _train(args: argparse.Namespace, masking: bool, out: Path) -> Any:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.bench.perceiver_eval import (
+    from leanformer.apps.perceiver_eval import (
         DQS_COLUMNS,
         accuracy_by_k,
         dqs_sweep,

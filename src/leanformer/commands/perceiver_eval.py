@@ -56,7 +56,7 @@ def _query_counts(given: list[int] | None, total: int) -> list[int]:
 def run(args: argparse.Namespace) -> list[dict]:
     import torch
 
-    from leanformer.bench.perceiver_eval import (
+    from leanformer.apps.perceiver_eval import (
         COST_COLUMNS,
         DQS_COLUMNS,
         accuracy_by_k,

@@ -180,8 +180,8 @@ def _to_image(x: Tensor) -> Any:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.bench.plots import plot_cluster_maps
-    from leanformer.bench.tradeoff import BASELINE, with_method
+    from leanformer.apps.plots import plot_cluster_maps
+    from leanformer.apps.tradeoff import BASELINE, with_method
     from leanformer.data.registry import build_dataset
     from leanformer.engine.builders import check_data_fits
     from leanformer.models.pretrained import model_card

@@ -161,7 +161,7 @@ def _plot(image: Tensor, entropy: Tensor, signs: Tensor, regions: Tensor, out: P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from leanformer.bench.plots import save_figure
+    from leanformer.apps.plots import save_figure
 
     H, W = regions.shape
     # Regions are row-major runs: each is a horizontal segment of one row (or wraps from

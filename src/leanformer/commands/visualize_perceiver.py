@@ -63,7 +63,7 @@ def load_perceiver(args: argparse.Namespace, *, split: str) -> tuple[Any, Any]:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.bench.attention_maps import average_cross_attention, save_attention_grid
+    from leanformer.apps.attention_maps import average_cross_attention, save_attention_grid
     from leanformer.data.loaders import eval_loader
 
     model, dataset = load_perceiver(args, split=args.split)

@@ -476,7 +476,7 @@ def run_sweep(
     if out is not None:
         (out / "table.md").write_text(markdown_table(summarise_seeds(rows), title=cfg.name) + "\n")
         (out / "sweep.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
-        from leanformer.bench.plots import plot_tradeoff
+        from leanformer.apps.plots import plot_tradeoff
 
         plot_tradeoff(summarise_seeds(rows), out / "tradeoff.png", title=cfg.name)
     return SweepResult(rows=rows, out_dir=out, base=base)
