@@ -4,7 +4,7 @@ Both detectors are ``DetrForObjectDetection`` with random weights built offline 
 ResNet-50 backbone); the ENACT one is a copy patched with
 ``leanformer.patch.transformers.apply_enact``. For each backbone it times, side by side
 and interleaved, the encoder forward, the encoder forward+backward and the whole-model
-forward, and measures peak tensor memory (see ``leanformer.bench.hf_detr``).
+forward, and measures peak tensor memory (see ``leanformer.apps.hf_detr``).
 
 Run (stable allocator, see docs/BENCHMARKS.md)::
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from leanformer.bench.hf_detr import SCOPES, build_detr_pair, compare_dense_enact, photo_batch
+from leanformer.apps.hf_detr import SCOPES, build_detr_pair, compare_dense_enact, photo_batch
 from leanformer.commands._options import parse_size
 
 BACKBONES = {"R50": False, "DC5": True}  # name -> dilation of the last ResNet stage

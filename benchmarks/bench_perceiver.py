@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from leanformer import create_model
-from leanformer.bench.perceiver_eval import COST_COLUMNS, cost_by_k, dqs_timing, markdown_table
+from leanformer.apps.perceiver_eval import COST_COLUMNS, cost_by_k, dqs_timing, markdown_table
 from leanformer.bench.results import write_jsonl
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from leanformer.apps.tradeoff import sweep_config_from_dict
 from leanformer.bench import compiled as compiled_module
 from leanformer.bench.report import bench_model
-from leanformer.bench.tradeoff import sweep_config_from_dict
 from leanformer.cli import main
 
 

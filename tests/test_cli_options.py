@@ -142,7 +142,7 @@ def test_perceiver_eval_rejects_too_many_queries(capsys: Capture) -> None:
 
 
 def test_tradeoff_refuses_models_without_patch_tokens() -> None:
-    from leanformer.bench.tradeoff import check_poolable, run_sweep, sweep_config_from_dict
+    from leanformer.apps.tradeoff import check_poolable, run_sweep, sweep_config_from_dict
     from leanformer.models.deit import DeiT
     from leanformer.models.perceiver import VisualPerceiver
 
@@ -159,7 +159,7 @@ def test_tradeoff_refuses_models_without_patch_tokens() -> None:
 def test_figure_path_without_suffix_gets_png(tmp_path: Path) -> None:
     from matplotlib.figure import Figure
 
-    from leanformer.bench.plots import save_figure
+    from leanformer.apps.plots import save_figure
 
     written = save_figure(Figure(), tmp_path / "plot")
     assert written == tmp_path / "plot.png" and written.is_file()

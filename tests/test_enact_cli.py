@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from leanformer.apps import enact_maps
 from leanformer.commands import visualize_enact
 
 
@@ -34,3 +35,7 @@ def test_visualize_bad_options(tmp_path):
         visualize_enact.run(args(tmp_path, sigma=-1.0))
     with pytest.raises(ValueError, match="not a file"):
         visualize_enact.run(args(tmp_path, input=str(tmp_path / "missing.png")))
+
+
+def test_command_offers_the_bundled_samples() -> None:
+    assert set(visualize_enact._SAMPLES) == set(enact_maps.SAMPLES)

@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from leanformer import create_model
-from leanformer.bench.attention_maps import average_cross_attention, save_attention_grid
-from leanformer.bench.perceiver_eval import (
+from leanformer.apps.attention_maps import average_cross_attention, save_attention_grid
+from leanformer.apps.perceiver_eval import (
     accuracy_by_k,
     check_ks,
     cost_by_k,

@@ -12,9 +12,11 @@ import timm
 import torch
 import yaml
 
-from leanformer.bench.tradeoff import (
+from leanformer.apps import cluster_maps
+from leanformer.apps.cluster_maps import patch_assignment, trace_token_sources
+from leanformer.apps.tradeoff import (
     SweepConfig,
-    _add_relative,
+    add_relative,
     budget_label,
     markdown_table,
     method_options,
@@ -25,7 +27,6 @@ from leanformer.bench.tradeoff import (
     with_method,
 )
 from leanformer.commands import demo_tokenpool, tradeoff, visualize_clusters
-from leanformer.commands.visualize_clusters import patch_assignment, trace_token_sources
 from leanformer.engine.builders import build_model, build_split
 from leanformer.engine.evaluate import evaluate
 from leanformer.models.registry import create_model
@@ -96,6 +97,24 @@ def test_points_and_labels() -> None:
     assert seeded == [("none", None, None), ("merge", 0.5, None)] + [("random", 0.5, s) for s in range(3)]
 
 
+@pytest.mark.parametrize(
+    ("keep", "label"),
+    [
+        ("deit_s_level3", "deit_s_level3"),
+        ("r16", "r16"),  # a string names the point as written in the sweep file
+        (0.97, "r0.97"),
+        (1.0, "r1"),
+        ([64, 56, 48], "64-56-48"),
+        ([0.5, 1.0], "0.5-1"),
+        ({"r": 7}, "7/block"),
+        (5, "5"),  # not a budget: named as given in its own error message
+    ],
+)
+def test_budget_labels_name_the_points_as_before(keep: object, label: str) -> None:
+    """results.jsonl, table.md and combined sweeps are keyed by these names."""
+    assert budget_label(keep) == label
+
+
 def test_seed_summary_averages_random_methods_and_keeps_the_spread() -> None:
     rows = [
         {"method": "none", "keep": "all", "top1": 90.0, "gflops": 1.0},
@@ -145,7 +164,7 @@ def test_relative_columns_and_table() -> None:
             "finetuned": True,
         },
     ]
-    _add_relative(rows)
+    add_relative(rows)
     assert rows[1]["d_top1"] == -5.0 and rows[1]["flops_ratio"] == 2.0 and rows[1]["speedup"] == 1.8
     table = markdown_table(rows).splitlines()
     assert len(table) == 4 and table[3].startswith(
@@ -248,7 +267,7 @@ def test_trace_matches_finite_differences(method: str) -> None:
     reducer = build_reducers(method=method, keep=[9], depth=1, num_tokens=16, dim=32, grid_size=(4, 4))[0]
     tokens, received = torch.randn(2, 16, 32, dtype=torch.float64), torch.rand(2, 16, dtype=torch.float64)
     probe_trace: list = [None]
-    probe = visualize_clusters._SourceProbe(reducer, probe_trace, 0)
+    probe = cluster_maps._SourceProbe(reducer, probe_trace, 0)
     probe(tokens, None, received)
     torch.testing.assert_close(probe_trace[0] > 0, _finite_difference_members(reducer, tokens, received))
     # Through the model: every token after the last block stands for >= 1 patch.

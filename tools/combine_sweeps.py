@@ -14,8 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from leanformer.bench.plots import plot_tradeoff
-from leanformer.bench.tradeoff import _add_relative, iter_rows, markdown_table, summarise_seeds
+from leanformer.apps.plots import plot_tradeoff
+from leanformer.apps.tradeoff import add_relative, iter_rows, markdown_table, summarise_seeds
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
             if key not in seen:
                 seen.add(key)
                 rows.append(row)
-    _add_relative(rows)
+    add_relative(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = summarise_seeds(rows)

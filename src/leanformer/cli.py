@@ -15,9 +15,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from leanformer import __version__
 from leanformer.allocator import configure_allocator
 from leanformer.commands import add_common_arguments, discover
+from leanformer.errors import UnverifiedCheckpointWarning
 from leanformer.layers.budgets import KeepSchedule
 
 
@@ -101,8 +104,6 @@ def _jsonable(value: Any) -> Any:
 
 def _show_warning(message: Warning | str, category: type[Warning], *args: Any, **kwargs: Any) -> None:
     """leanformer's own warnings as one line, like its errors; others as Python shows them."""
-    from leanformer.errors import UnverifiedCheckpointWarning
-
     if issubclass(category, UnverifiedCheckpointWarning):
         print(f"leanformer: warning: {message}", file=sys.stderr)
     else:
@@ -129,8 +130,6 @@ def _file_in_the_way(filename: object) -> str | None:
 
 def check_device(device: str) -> None:
     """A clear error for a device string torch cannot parse or this machine does not have."""
-    import torch
-
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -173,8 +172,6 @@ def _run_command(argv: list[str] | None) -> int:
         sub.given_options = args.given_options
         args = sub
     try:
-        import torch
-
         if args.threads is not None:
             if not 1 <= args.threads <= 1024:
                 raise ValueError(f"--threads must be in [1, 1024], got {args.threads}")
@@ -200,6 +197,7 @@ def _run_command(argv: list[str] | None) -> int:
         print(f"leanformer: error: {_first_line(exc)}", file=sys.stderr)
         return 2
     except Exception as exc:
+        # Imported only when a command fails: the training engine is not loaded for --help.
         from leanformer.engine.train import NonFiniteLossError
 
         if isinstance(exc, NonFiniteLossError):

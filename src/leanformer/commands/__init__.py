@@ -16,6 +16,13 @@ exits with code 2.
 
 Groups with several subcommands (``demo``, ``visualize``) may name a default with a
 module-level ``DEFAULT = True`` (used when the group is called without a name).
+
+A command parses, calls the library or an application in :mod:`leanformer.apps`, and
+prints; tensor code goes to ``apps``. Every command module is imported to build the
+parser, so what only ``run`` needs (training, sweeps, matplotlib) is imported inside
+``run``: ``--help`` and a usage error stay quick. Helpers shared by several commands are
+private modules (``_options``, ``_hosts``, ``_perceiver``, ``_hf_detr``); no command
+imports another.
 """
 
 from __future__ import annotations

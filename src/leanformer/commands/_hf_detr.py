@@ -1,7 +1,7 @@
 """`leanformer bench --hf-model detr`: dense vs ENACT in a Hugging Face DETR, side by side.
 
 The detector is built offline from its config with random weights (DETR-R50, or DC5 with
-``--dc5``); see :mod:`leanformer.bench.hf_detr` for what is measured.
+``--dc5``); see :mod:`leanformer.apps.hf_detr` for what is measured.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def is_requested(args: argparse.Namespace) -> bool:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from leanformer.bench.hf_detr import build_detr_pair, compare_dense_enact, photo_batch
+    from leanformer.apps.hf_detr import build_detr_pair, compare_dense_enact, photo_batch
 
     given = [f"--{name.replace('_', '-')}" for name in _REGISTRY_ONLY if getattr(args, name, None)]
     if given:

@@ -1,4 +1,4 @@
-"""Command-line options shared by train, eval and bench, and their translation to configs."""
+"""Command-line options shared by the commands, and their translation to configs."""
 
 from __future__ import annotations
 
@@ -32,6 +32,26 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def int_list(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (argparse type)."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of integers, got {text!r}"
+        ) from None
+
+
+def float_list(text: str) -> list[float]:
+    """``"0.6,0.9"`` -> ``[0.6, 0.9]`` (argparse type)."""
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of numbers, got {text!r}"
+        ) from None
 
 
 def keep_argument(text: str) -> KeepSchedule:

@@ -14,6 +14,8 @@ from collections.abc import Sized
 from pathlib import Path
 from typing import Any, cast
 
+from leanformer.commands._options import float_list, int_list
+
 COMMAND = ("demo", "perceiver")
 HELP = "train the digits Visual Perceiver with and without Query Masking; print accuracy by K and DQS"
 
@@ -21,35 +23,17 @@ DEFAULT_KS = "1,2,4,8,16,32,64"
 DEFAULT_THRESHOLDS = "0.6,0.7,0.8,0.9,0.95,0.99"
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of integers, got {text!r}"
-        ) from None
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of numbers, got {text!r}"
-        ) from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="visual_perceiver_digits", help="a Visual Perceiver preset")
     parser.add_argument("--epochs", type=int, default=10, help="training epochs per model (default 10)")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     parser.add_argument(
-        "--ks", type=_ints, default=_ints(DEFAULT_KS), help=f"query counts (default {DEFAULT_KS})"
+        "--ks", type=int_list, default=int_list(DEFAULT_KS), help=f"query counts (default {DEFAULT_KS})"
     )
     parser.add_argument(
         "--thresholds",
-        type=_floats,
-        default=_floats(DEFAULT_THRESHOLDS),
+        type=float_list,
+        default=float_list(DEFAULT_THRESHOLDS),
         help=f"DQS thresholds (default {DEFAULT_THRESHOLDS})",
     )
     parser.add_argument(
@@ -78,7 +62,7 @@ def _train(args: argparse.Namespace, masking: bool, out: Path) -> Any:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.bench.perceiver_eval import (
+    from leanformer.apps.perceiver_eval import (
         DQS_COLUMNS,
         accuracy_by_k,
         dqs_sweep,

@@ -133,7 +133,7 @@ def demo_config(args: argparse.Namespace, data: str = "digits") -> dict[str, Any
 def run(args: argparse.Namespace) -> list[dict]:
     import time
 
-    from leanformer.bench.tradeoff import markdown_table, run_sweep, summarise_seeds, sweep_config_from_dict
+    from leanformer.apps.tradeoff import markdown_table, run_sweep, summarise_seeds, sweep_config_from_dict
 
     start = time.perf_counter()
     data = choose_data(getattr(args, "data", "auto"))

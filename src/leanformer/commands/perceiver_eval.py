@@ -11,9 +11,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from leanformer.commands._options import add_data_arguments
-from leanformer.commands.demo_perceiver import _floats, _ints
-from leanformer.commands.visualize_perceiver import load_perceiver
+from leanformer.commands._options import add_data_arguments, float_list, int_list
+from leanformer.commands._perceiver import load_perceiver
 from leanformer.models.query_budget import query_budget
 
 COMMAND = ("perceiver-eval",)
@@ -28,12 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, help="evaluate on the first N images only")
     parser.add_argument(
         "--ks",
-        type=_ints,
+        type=int_list,
         default=None,
         help=f"query counts (default {DEFAULT_KS}: those below the model's query count Q, then Q)",
     )
     parser.add_argument(
-        "--thresholds", type=_floats, default=_floats("0.6,0.65,0.7,0.8,0.9,0.99"), help="DQS thresholds"
+        "--thresholds",
+        type=float_list,
+        default=float_list("0.6,0.65,0.7,0.8,0.9,0.99"),
+        help="DQS thresholds",
     )
     parser.add_argument("--dqs-rule", default="any", choices=("any", "kept"))
     parser.add_argument("--reps", type=int, default=5, help="random-subset repetitions (0: skip)")
@@ -46,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _query_counts(given: list[int] | None, total: int) -> list[int]:
     """The default list below the model's ``Q``, then ``Q``; a list the user gave must fit entirely."""
     if given is None:
-        return [k for k in _ints(DEFAULT_KS) if k < total] + [total]
+        return [k for k in int_list(DEFAULT_KS) if k < total] + [total]
     too_many = [k for k in given if k > total]
     if too_many:
         raise ValueError(f"--ks {too_many} exceed the model's {total} latent queries")
@@ -56,7 +58,7 @@ def _query_counts(given: list[int] | None, total: int) -> list[int]:
 def run(args: argparse.Namespace) -> list[dict]:
     import torch
 
-    from leanformer.bench.perceiver_eval import (
+    from leanformer.apps.perceiver_eval import (
         COST_COLUMNS,
         DQS_COLUMNS,
         accuracy_by_k,

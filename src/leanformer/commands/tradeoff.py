@@ -72,7 +72,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.bench.tradeoff import load_sweep_config, markdown_table, run_sweep, summarise_seeds
+    from leanformer.apps.tradeoff import load_sweep_config, markdown_table, run_sweep, summarise_seeds
 
     path = Path(args.config) if args.config else find_preset(args.preset)
     cfg = load_sweep_config(path, overrides_from_args(args))

@@ -1,12 +1,8 @@
 """`leanformer visualize clusters`: token clusters coloured over the input (paper fig. 1c).
 
-Which input patches does each token stand for after block ``--layer``? Every reducer
-here outputs, per example, a linear combination of its input tokens whose weights come
-from a no-gradient plan (cluster means, kept tokens, merged pairs). Its Jacobian row
-for output token k is therefore the membership of k, and composing these matrices over
-the blocks gives, for every original patch, the token it ended up in. The trace reads
-the Jacobians with one batched backward per pooling layer, so it works for every
-method without knowing its internals (for ``conv``, the 2x2 window).
+Which input patches does each token stand for after block ``--layer``? The trace is
+:func:`leanformer.apps.cluster_maps.trace_token_sources`; this module picks the model and
+the examples, and writes one PNG per example.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from leanformer.commands import given
 from leanformer.commands._options import keep_argument
@@ -24,88 +20,6 @@ from leanformer.layers.budgets import KEEP_HELP, KeepSchedule, parse_keep
 
 COMMAND = ("visualize", "clusters")
 HELP = "colour the token clusters of a token-pooled model over input images (PNG per example)"
-
-
-class _SourceProbe(nn.Module):
-    """Wraps a reducer; records ``S [B, K, N0]``: how much of each original patch is in each token."""
-
-    def __init__(self, inner: nn.Module, trace: list[Tensor | None], index: int) -> None:
-        super().__init__()
-        self.inner = inner
-        self.needs_received = bool(getattr(inner, "needs_received", False))
-        self.__dict__["_trace"] = trace  # shared, not a submodule
-        self.index = index
-
-    def forward(self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None):
-        trace: list[Tensor | None] = self.__dict__["_trace"]
-        with torch.enable_grad():
-            t = tokens.detach().requires_grad_(True)
-            out, out_sizes = self.inner(t, sizes, received)
-            B, K, C = out.shape
-            # Cotangent j is one-hot on (token j, channel 0) for every example: row j of
-            # each example's Jacobian in a single batched backward.
-            cot = out.new_zeros(K, B, K, C)
-            cot[torch.arange(K), :, torch.arange(K), 0] = 1.0
-            (jac,) = torch.autograd.grad(out, t, grad_outputs=cot, is_grads_batched=True)
-        # Sum |d out_j,0 / d t_n,c| over input channels: a cluster mean only touches
-        # channel 0, a conv mixes channels; either way it is >0 exactly for members.
-        member = jac.abs().sum(-1).permute(1, 0, 2)  # [B, K, N]
-        prev = _last(trace)
-        src = member if prev is None else member @ prev
-        trace[self.index] = src
-        return out.detach(), out_sizes
-
-
-def _last(trace: list[Tensor | None]) -> Tensor | None:
-    for s in reversed(trace):
-        if s is not None:
-            return s
-    return None
-
-
-def _reducer_slots(model: nn.Module) -> list[tuple[Any, Any, nn.Module | None]]:
-    """``(block, set, reducer)`` per block of a token-pooled model (any host)."""
-    pooling = getattr(model, "token_pooling", None)
-    if pooling is None:
-        raise ValueError(f"{type(model).__name__} has no token pooling to trace")
-    slots = []
-    for i in range(pooling.depth):
-        key = str(i)
-
-        def setter(r: nn.Module, key: str = key) -> None:
-            pooling.reducers[key] = r
-
-        slots.append((i, setter, pooling.reducer(i)))
-    return slots
-
-
-@torch.no_grad()
-def trace_token_sources(model: nn.Module, x: Tensor) -> list[Tensor | None]:
-    """Per block, ``S [B, K_l, N0]`` (>0 where patch n is part of token k after block l), or
-    None for a block without a reducer. ``N0`` counts patch tokens (no prefix tokens)."""
-    slots = _reducer_slots(model)
-    trace: list[Tensor | None] = [None] * len(slots)
-    replaced = []
-    try:
-        for i, setter, reducer in slots:
-            if reducer is not None:
-                setter(_SourceProbe(reducer, trace, i))
-                replaced.append((setter, reducer))
-        model.eval()
-        model(x)
-    finally:
-        for setter, reducer in replaced:
-            setter(reducer)
-    return trace
-
-
-def patch_assignment(trace: list[Tensor | None], layer: int, num_patches: int, batch: int) -> Tensor:
-    """``[B, N0]`` token index of every patch after block ``layer`` (-1: dropped patch)."""
-    src = _last(trace[: layer + 1])
-    if src is None:  # nothing pooled yet: every patch is its own token
-        return torch.arange(num_patches).expand(batch, num_patches).clone()
-    best, idx = src.max(dim=1)
-    return torch.where(best > 0, idx, torch.full_like(idx, -1))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,17 +85,10 @@ def _img_size(args: argparse.Namespace, trained: nn.Module | None) -> int | None
     return None
 
 
-def _to_image(x: Tensor) -> Any:
-    """``[C, H, W]`` normalised tensor -> ``[H, W, 3]`` array in [0, 1] (min-max per image)."""
-    x = x.float()
-    x = (x - x.min()) / (x.max() - x.min()).clamp_min(1e-8)
-    img = x.permute(1, 2, 0).cpu().numpy()
-    return img[..., :3] if img.shape[2] >= 3 else img[..., 0]
-
-
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.bench.plots import plot_cluster_maps
-    from leanformer.bench.tradeoff import BASELINE, with_method
+    from leanformer.apps.cluster_maps import grid_of, patch_assignment, to_image, trace_token_sources
+    from leanformer.apps.plots import plot_cluster_maps
+    from leanformer.apps.tradeoff import BASELINE, with_method
     from leanformer.data.registry import build_dataset
     from leanformer.engine.builders import check_data_fits
     from leanformer.models.pretrained import model_card
@@ -208,7 +115,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     torch.manual_seed(args.seed)
     base = (trained if trained is not None else _build(args, data.info)).to(args.device).eval()
     check_data_fits(type(base), data.info, name=getattr(base, "leanformer_name", None))
-    grid = _grid_of(base)
+    grid = grid_of(base)
     keep = parse_keep(args.keep)  # already a KeepSchedule from the command line; as is then
     budgets = keep.per_block(depth=len(base.blocks), num_tokens=grid[0] * grid[1])  # type: ignore[arg-type]
     if any(isinstance(b, int) and b < 1 for b in budgets):
@@ -223,13 +130,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     layer = args.layer if args.layer >= 0 else depth + args.layer
     if not 0 <= layer < depth:
         raise ValueError(f"--layer must be in [0, {depth}) (or negative from the end), got {args.layer}")
-    grid = _grid_of(model)
+    grid = grid_of(model)
     assign = patch_assignment(trace, layer, grid[0] * grid[1], n)
     out = Path(args.out)
     rows = []
     for i in range(n):
         path = plot_cluster_maps(
-            _to_image(x[i]),
+            to_image(x[i]),
             assign[i].cpu().numpy(),
             grid,
             out / f"clusters_{args.method}_l{layer}_{i}.png",
@@ -240,11 +147,3 @@ def run(args: argparse.Namespace) -> list[dict]:
         if not args.json:
             print(f"{path}: {tokens} tokens for {grid[0] * grid[1]} patches")
     return rows
-
-
-def _grid_of(model: nn.Module) -> tuple[int, int]:
-    grid = getattr(model, "grid_size", None)
-    if grid is None:
-        patch_embed: Any = model.patch_embed  # a timm ViT's
-        grid = patch_embed.grid_size
-    return int(grid[0]), int(grid[1])

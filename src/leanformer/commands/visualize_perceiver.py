@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
-import torch
-
-from leanformer.commands._options import add_data_arguments, data_overrides, refuse_beside_checkpoint
+from leanformer.commands._options import add_data_arguments
+from leanformer.commands._perceiver import load_perceiver
 from leanformer.models.query_budget import check_query_count, query_budget
 
 COMMAND = ("visualize", "perceiver-attention")
@@ -32,38 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
 
 
-def load_perceiver(args: argparse.Namespace, *, split: str) -> tuple[Any, Any]:
-    """``(model, dataset)`` from ``--checkpoint`` (its own data config) or ``--model`` + ``--data``."""
-    from leanformer.config import RunConfig, apply_overrides, from_dict, load_config
-    from leanformer.engine.builders import build_model, build_split, check_data_fits
-
-    overrides = data_overrides(args)
-    if getattr(args, "limit", None) is not None:
-        if args.limit < 1:
-            raise ValueError(f"--limit must be >= 1, got {args.limit}")
-        overrides["data.limit_test" if split == "test" else "data.limit_train"] = args.limit
-    refuse_beside_checkpoint(args, "--model")
-    if args.checkpoint:
-        from leanformer.engine.checkpoint import load_model, read_checkpoint_meta
-
-        cfg = from_dict(RunConfig, read_checkpoint_meta(args.checkpoint)["config"])
-        cfg = apply_overrides(cfg, overrides) if overrides else cfg
-        model = load_model(args.checkpoint, device=args.device)
-    elif args.model:
-        cfg = load_config(None, {"model": args.model, **overrides})
-        torch.manual_seed(args.seed)
-        model, _ = build_model(cfg.model, {}, build_split(cfg.data, split).info)  # type: ignore[attr-defined]
-    else:
-        raise ValueError("give --checkpoint PATH (a trained Visual Perceiver) or --model NAME")
-    query_budget(model, needed_by="visualize perceiver-attention")
-    dataset = build_split(cfg.data, split)
-    info = dataset.info  # type: ignore[attr-defined]
-    check_data_fits(type(model), info, name=getattr(model, "leanformer_name", None))
-    return model.to(args.device).eval(), dataset
-
-
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.bench.attention_maps import average_cross_attention, save_attention_grid
+    from leanformer.apps.attention_maps import average_cross_attention, save_attention_grid
     from leanformer.data.loaders import eval_loader
 
     model, dataset = load_perceiver(args, split=args.split)

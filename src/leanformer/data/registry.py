@@ -17,6 +17,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+import leanformer.data as pkg
+
 SPLITS = ("train", "test")  # every dataset has these; a builder may add more in ``builder.splits``
 
 
@@ -50,8 +52,6 @@ def _load_builtin() -> None:
     if _LOADED:
         return
     _LOADED = True
-    import leanformer.data as pkg
-
     for info in pkgutil.iter_modules(pkg.__path__):
         if info.name not in ("registry", "loaders", "sampler") and not info.name.startswith("_"):
             importlib.import_module(f"{pkg.__name__}.{info.name}")

@@ -26,6 +26,7 @@ from safetensors.torch import save as serialize
 from torch import Tensor, nn
 
 from leanformer.errors import UnverifiedCheckpointWarning
+from leanformer.models.registry import create_model
 from leanformer.models.state_loading import load_state_lenient
 
 FORMAT = "leanformer-checkpoint-1"
@@ -291,8 +292,6 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", **overri
     ``overrides`` replace constructor options (e.g. ``pool=``, ``keep=`` to evaluate the
     trained weights with token pooling); options that add parameters leave them at init.
     """
-    from leanformer.models.registry import create_model
-
     path = resolve_checkpoint(path)
     # The model's tensors only: an optimizer's state can be twice their size.
     meta, tensors = _read(path, prefix=_MODEL_PREFIX)

@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import default_collate
 
 from leanformer.config import RunConfig, TrainConfig, parse_model_options, plain_options, to_dict
 from leanformer.data.loaders import eval_loader, train_loader
@@ -30,10 +32,13 @@ from leanformer.engine.checkpoint import (
     CHECKPOINT_NAME,
     atomic_write_bytes,
     load_checkpoint,
+    load_model,
     save_checkpoint,
 )
+from leanformer.engine.distill import soft_cross_entropy
 from leanformer.engine.distributed import DistInfo, barrier, cleanup_distributed, setup_distributed
 from leanformer.engine.evaluate import call_model, evaluate, to_device
+from leanformer.engine.query_masking import sample_num_queries
 from leanformer.engine.run_folder import (
     CONFIG_NAME,
     check_new_run_folder,
@@ -143,8 +148,6 @@ def drop_ineffective_options(cfg: RunConfig, given: Collection[str] = ()) -> tup
 def _build_teacher(cfg: RunConfig, info: Any, device: torch.device) -> nn.Module | None:
     if cfg.train.teacher is None:
         return None
-    from leanformer.engine.checkpoint import load_model
-
     source = cfg.train.teacher
     if Path(source).exists():  # a checkpoint file or a run folder
         teacher = load_model(source, device=device)
@@ -166,8 +169,6 @@ class _LossFn:
         loss = F.cross_entropy(logits, target, label_smoothing=self.smoothing)
         if self.teacher is None:
             return loss
-        from leanformer.engine.distill import soft_cross_entropy
-
         with torch.no_grad():
             teacher_logits = call_model(self.teacher, inputs)
         soft = soft_cross_entropy(logits, teacher_logits, temperature=self.tau)
@@ -179,8 +180,6 @@ def _query_sampler(cfg: RunConfig, model: nn.Module, seed: int):
     if not cfg.train.query_masking:
         return None, None
     num_queries = query_budget(model, needed_by="train.query_masking")
-    from leanformer.engine.query_masking import sample_num_queries
-
     generator = torch.Generator().manual_seed(seed + 7919)
 
     def sample() -> dict[str, Any]:
@@ -200,8 +199,6 @@ def _check_forward(model: nn.Module, dataset: Any, device: torch.device) -> None
     """One forward pass on one training example, before anything is written: a model that
     does not fit the data (an image size the patch size does not divide, say) fails here,
     not after the run folder exists. The RNG is restored, so training is unchanged."""
-    from torch.utils.data import default_collate
-
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         inputs, _ = default_collate([dataset[0]])
         was_training = model.training
@@ -372,8 +369,6 @@ def fit(
                 loss_sum += loss.detach().double()
             if dist_info.enabled:
                 # Each process saw half of every global batch: report the global mean.
-                import torch.distributed as dist
-
                 dist.all_reduce(loss_sum)
                 loss_sum /= dist_info.world_size
             train_loss = loss_sum.item() / max(1, steps_per_epoch)
@@ -426,8 +421,6 @@ def _gather_rng(info: DistInfo) -> list[Tensor]:
     state = torch.get_rng_state()
     if not info.enabled:
         return [state]
-    import torch.distributed as dist
-
     states = [torch.empty_like(state) for _ in range(info.world_size)]
     dist.all_gather(states, state)
     return states

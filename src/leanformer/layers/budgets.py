@@ -143,6 +143,21 @@ class KeepSchedule:
             return ",".join(_spell(v) for v in value)
         return value if isinstance(value, str) else _spell(value)
 
+    def label(self) -> str:
+        """A short name for tables and plots: the preset name, ``r0.7`` for a ratio,
+        ``64-48-32`` for per-block budgets, ``16/block`` for ToMe's r.
+
+        Not a spelling that parses back (``r0.7`` would read as ToMe's form): use ``str()``
+        for that. Trade-off results are keyed by these names, so they must not change.
+        """
+        if self.preset is not None:
+            return self.preset
+        if self.ratio is not None:
+            return f"r{self.ratio:g}"
+        if self.remove is not None:
+            return f"{self.remove}/block"
+        return "-".join(f"{v:g}" if isinstance(v, float) else str(v) for v in self.blocks or ())
+
 
 KeepLike = KeepSchedule | str | float | Sequence[Budget] | Mapping[str, int]
 

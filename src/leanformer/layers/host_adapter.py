@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from leanformer.layers.budgets import KeepLike, KeepSchedule, parse_keep
 from leanformer.layers.pooling_state import ReducePosition, TokenPooling
 from leanformer.layers.reducer import TokenReducer, reduce_tokens
+from leanformer.layers.token_pooling import build_reducers
 
 Override = tuple[nn.Module, str, Any]  # set on the instance, deleted to undo
 
@@ -231,8 +232,6 @@ def install(
     **options: Any,
 ) -> nn.Module:
     """Build ``method``'s reducers for ``host`` under ``keep`` and patch it."""
-    from leanformer.layers.token_pooling import build_reducers
-
     # Parsed here, once: the reducers and model.token_pooling.keep get the same schedule.
     keep = None if keep is None else parse_keep(keep)
     reducers = build_reducers(

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from leanformer.layers.budgets import KeepSchedule, parse_keep
 from leanformer.layers.reducer import ReducePosition, TokenReducer
+from leanformer.layers.token_pooling import build_reducers
 
 __all__ = ["ReducePosition", "TokenPooling"]
 
@@ -88,8 +89,6 @@ class TokenPooling(nn.Module):
             )
         if self.method == "conv":
             raise ValueError("conv layers are learned: re-patch to place them for another budget")
-        from leanformer.layers.token_pooling import build_reducers
-
         schedule = parse_keep(value)
         reducers = build_reducers(  # raises on a bad budget before anything changes
             method=self.method,

@@ -17,16 +17,13 @@ call signature works, which is how the recursive All-MLP reuses this module.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 
 from timm.layers import Mlp
 from torch import Tensor, nn
 
 from leanformer.layers.checks import check_positive, check_positive_number
+from leanformer.layers.norm import LAYER_NORM
 from leanformer.layers.residual_coeffs import LearnableResidual, LRCMode
-
-# Transformer LayerNorm (eps 1e-6 as in DeiT/SReT), shared as a default argument.
-LAYER_NORM = partial(nn.LayerNorm, eps=1e-6)
 
 
 class NonLinearProjection(nn.Module):

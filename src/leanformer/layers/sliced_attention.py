@@ -22,18 +22,15 @@ is the identity, and is skipped.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import torch
 from timm.layers import DropPath, Mlp
 from torch import Tensor, nn
 
 from leanformer.layers.checks import check_sizes, head_dim
+from leanformer.layers.norm import LAYER_NORM
 from leanformer.layers.residual_coeffs import LearnableResidual, LRCMode, check_lrc_mode
 from leanformer.ops.attention import attention
-
-# Transformer LayerNorm (eps 1e-6 as in DeiT/SReT), shared as a default argument.
-LAYER_NORM = partial(nn.LayerNorm, eps=1e-6)
 
 
 def check_groups(num_tokens: int, groups: int) -> None:

@@ -28,6 +28,7 @@ their own size); attention in later blocks adds ``log(size)`` to that key's logi
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -455,8 +456,6 @@ def list_methods() -> list[str]:
 def pooling_method(name: str) -> PoolingMethod:
     """The method registered as ``name`` (a ``ValueError`` naming close matches if none is)."""
     if name not in METHODS:
-        import difflib
-
         close = difflib.get_close_matches(str(name), METHODS, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(close)}? " if close else ""
         raise ValueError(f"unknown pooling method {name!r}; {hint}choose from: {', '.join(METHODS)}")

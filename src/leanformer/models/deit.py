@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import timm
+from timm.models import register_model
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -30,7 +32,7 @@ from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import to_2tuple
 from leanformer.layers.reducer import ReducePosition
 from leanformer.layers.timm_host import adapt
-from leanformer.models.registry import register
+from leanformer.models.registry import create_model, register
 
 # Token pooling from before the DeiT family was a timm configuration kept a reducer
 # per block ("blocks.3.reducer.conv.weight"); it now lives in model.token_pooling.
@@ -223,8 +225,6 @@ def _timm_entrypoint(name: str) -> Any:
         kwargs.pop("pretrained_cfg", None)
         kwargs.pop("pretrained_cfg_overlay", None)
         kwargs.pop("cache_dir", None)
-        from leanformer.models.registry import create_model
-
         # pretrained=True loads the weights shipped with leanformer (and refuses a preset
         # without them, naming those that have them).
         model = create_model(name, pretrained=pretrained, **kwargs)
@@ -238,9 +238,6 @@ def _timm_entrypoint(name: str) -> Any:
 
 
 def _register_in_timm() -> None:
-    import timm
-    from timm.models import register_model
-
     for name in PRESETS:
         if not timm.is_model(name):
             register_model(_timm_entrypoint(name))

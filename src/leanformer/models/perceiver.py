@@ -38,6 +38,7 @@ from leanformer.layers.checks import check_patch_grid, check_positive, check_pos
 from leanformer.layers.classifier import classifier
 from leanformer.layers.cross_attention import CrossAttentionBlock
 from leanformer.layers.init import init_vit_weights
+from leanformer.layers.norm import LAYER_NORM
 from leanformer.layers.patch_embed import PatchEmbed, resample_pos_embed, to_2tuple
 from leanformer.models.query_budget import check_query_count
 from leanformer.models.registry import register
@@ -135,7 +136,7 @@ class VisualPerceiver(nn.Module):
         self.decoder = CrossAttentionBlock(
             embed_dim, num_heads=decoder_heads, mlp_ratio=decoder_mlp_ratio, drop_path=dpr[-1], **common
         )
-        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.norm = LAYER_NORM(embed_dim)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = classifier(embed_dim, num_classes)
         # Per-input kept query counts [B] of the last DQS call (None after a fixed-K call).

@@ -21,8 +21,9 @@ from torch import Tensor, nn
 from leanformer.layers.checks import check_patch_grid, check_positive, check_rates
 from leanformer.layers.classifier import classifier
 from leanformer.layers.init import init_vit_weights
+from leanformer.layers.norm import LAYER_NORM
 from leanformer.layers.patch_embed import PatchEmbed, to_2tuple
-from leanformer.layers.recursive import LAYER_NORM, RecursiveStage
+from leanformer.layers.recursive import RecursiveStage
 from leanformer.layers.residual_coeffs import LearnableResidual, LRCMode, check_lrc_mode
 from leanformer.models.registry import register
 
@@ -109,7 +110,7 @@ class RecursiveMixer(nn.Module):
         self.stage = RecursiveStage(
             blocks, dim=embed_dim, loops=loops, nll_ratio=nll_ratio, lrc=lrc, drop=drop_rate
         )
-        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.norm = LAYER_NORM(embed_dim)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = classifier(embed_dim, num_classes)
         init_vit_weights(self)

@@ -17,6 +17,9 @@ from typing import Any
 
 from torch import nn
 
+import leanformer.models as pkg
+from leanformer.models.pretrained import load_pretrained, model_card
+
 
 @dataclass(frozen=True)
 class ModelEntry:
@@ -68,8 +71,6 @@ def _load_builtin_models() -> None:
     if _LOADED:
         return
     _LOADED = True
-    import leanformer.models as pkg
-
     for info in pkgutil.iter_modules(pkg.__path__):
         if info.name != "registry" and not info.name.startswith("_"):
             importlib.import_module(f"{pkg.__name__}.{info.name}")
@@ -140,14 +141,10 @@ def create_model(name: str, *, pretrained: bool = False, **overrides: Any) -> nn
     entry = model_info(name)
     _check_options(name, entry.cls, overrides)
     if pretrained:
-        from leanformer.models.pretrained import model_card
-
         model_card(name)  # fail before building when nothing is shipped
     model = entry.cls(**{**entry.defaults, **overrides})
     model.leanformer_name = name  # type: ignore[assignment]
     if pretrained:
-        from leanformer.models.pretrained import load_pretrained
-
         load_pretrained(model, name)
     return model
 

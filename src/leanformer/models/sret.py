@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from leanformer.layers.checks import check_positive, check_positive_number, check_rates, check_sizes, head_dim
 from leanformer.layers.classifier import classifier
 from leanformer.layers.init import init_vit_weights
+from leanformer.layers.norm import LAYER_NORM
 from leanformer.layers.patch_embed import to_2tuple
 from leanformer.layers.recursive import RecursiveStage
 from leanformer.layers.residual_coeffs import LRCMode, check_lrc_mode
@@ -172,7 +173,7 @@ class SReT(nn.Module):
                 )
         self.stages = nn.ModuleList(stages)
         self.pools = nn.ModuleList(pools)
-        self.norm = nn.LayerNorm(self.num_features, eps=1e-6)
+        self.norm = LAYER_NORM(self.num_features)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = classifier(self.num_features, num_classes)
         self._init_weights()

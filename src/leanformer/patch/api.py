@@ -11,12 +11,14 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from leanformer.layers.budgets import KeepLike
 from leanformer.layers.host_adapter import HostAdapter, UnsupportedHostError, install, unpatch_host
 from leanformer.layers.pooling_state import TokenPooling
 from leanformer.layers.reducer import ReducePosition
+from leanformer.layers.timm_host import adapt as adapt_timm
 
 __all__ = ["adapt", "apply_token_pooling", "is_patched", "remove_token_pooling"]
 
@@ -32,14 +34,11 @@ def adapt(model: nn.Module) -> HostAdapter:
     """The host adapter for ``model``, chosen by the library its class comes from."""
     module = type(model).__module__
     if module.startswith("transformers."):
+        # Only here: transformers is an optional extra, and a model of its classes means it is installed.
         from leanformer.patch.transformers import adapt as adapt_transformers
 
         return adapt_transformers(model)
-    from timm.models.vision_transformer import VisionTransformer
-
     if isinstance(model, VisionTransformer) or module.startswith("timm."):
-        from leanformer.layers.timm_host import adapt as adapt_timm
-
         return adapt_timm(model)
     raise UnsupportedHostError(
         f"token pooling cannot patch a {type(model).__name__} (from {module}): supported hosts are "

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import timm
+from timm.models import get_pretrained_cfg_value
 from torch import nn
 
 from leanformer.layers.host_adapter import install_reducers
@@ -59,8 +60,6 @@ def create_timm_model(name: str, **kwargs: Any) -> nn.Module:
 
 def timm_input_size(name: str) -> int | None:
     """The input side a timm model was designed for (e.g. 224), or None if timm does not say."""
-    from timm.models import get_pretrained_cfg_value
-
     try:
         size = get_pretrained_cfg_value(name, "input_size")
     except RuntimeError:  # not a timm model name: create_timm_model says so

@@ -16,7 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from leanformer.bench.plots import save_figure
+from leanformer.apps.plots import save_figure
 from leanformer.engine.evaluate import to_device
 
 

@@ -27,8 +27,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
+from leanformer.apps.plots import save_figure, style_accuracy_axis
 from leanformer.bench.flops import count_gflops
-from leanformer.bench.plots import save_figure, style_accuracy_axis
 from leanformer.bench.timing import time_interleaved
 from leanformer.engine.evaluate import evaluate
 from leanformer.models.perceiver import VisualPerceiver

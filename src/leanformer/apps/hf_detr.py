@@ -7,6 +7,9 @@ so both share every host weight. Inputs are the two photographs scikit-learn shi
 resized; every other image is smaller and padded at the bottom and right, as DETR
 batches images of different sizes. Runs alternate between the two models
 (:func:`time_interleaved`), so background load hits both alike.
+
+Needs the ``transformers`` extra; ``leanformer bench`` imports this module only for
+``--hf-model detr``, so the rest of the command works without it.
 """
 
 from __future__ import annotations
@@ -19,10 +22,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from sklearn.datasets import load_sample_image
 from torch import Tensor, nn
+from transformers import DetrConfig, DetrForObjectDetection
 
 from leanformer.bench.memory import cpu_peak_mb
 from leanformer.bench.timing import time_interleaved
+from leanformer.patch.transformers import apply_enact
+from leanformer.patch.transformers.detr import cluster_ratios
 
 SCOPES = ("encoder_fwd", "encoder_train", "model_fwd")
 _PHOTOS = ("china.jpg", "flower.jpg")
@@ -34,10 +41,6 @@ def build_detr_pair(
     *, dilation: bool = False, sigma: float = 3.0, seed: int = 0, **config: Any
 ) -> tuple[nn.Module, nn.Module]:
     """A random-weight DETR-R50 (``config`` overrides ``DetrConfig``) and its ENACT copy, in eval mode."""
-    from transformers import DetrConfig, DetrForObjectDetection
-
-    from leanformer.patch.transformers import apply_enact
-
     # DetrConfig keeps unknown keyword arguments silently; a typo must not go unnoticed.
     # ``backbone`` and ``num_labels`` are taken through its **kwargs.
     known = {
@@ -65,8 +68,6 @@ def photo_batch(batch_size: int, img_size: tuple[int, int]) -> tuple[Tensor, Ten
 
     Odd images are resized to 90% of each side and padded at the bottom and right.
     """
-    from sklearn.datasets import load_sample_image
-
     H, W = img_size
     pixels = torch.zeros(batch_size, 3, H, W)
     mask = torch.zeros(batch_size, H, W, dtype=torch.long)
@@ -130,8 +131,6 @@ def compare_dense_enact(
     memory: bool = True,
 ) -> list[dict[str, Any]]:
     """One row per scope: median ms of dense and ENACT, their ratio, peak MB, ENACT's cluster ratio."""
-    from leanformer.patch.transformers.detr import cluster_ratios
-
     unknown = set(scopes) - set(SCOPES)
     if unknown:
         raise ValueError(f"unknown scopes {sorted(unknown)}; choose from {', '.join(SCOPES)}")

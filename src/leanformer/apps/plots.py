@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import hsv_to_rgb
 from matplotlib.figure import Figure
 
 _MARKERS = "osD^v<>ph*X"
@@ -73,8 +74,6 @@ def _palette(k: int, seed: int = 0) -> np.ndarray:
     hues = (np.arange(k) * 0.618034) % 1.0
     rng = np.random.default_rng(seed)
     hues = hues[rng.permutation(k)]
-    from matplotlib.colors import hsv_to_rgb
-
     return hsv_to_rgb(np.stack([hues, np.full(k, 0.75), np.full(k, 0.95)], axis=1))
 
 

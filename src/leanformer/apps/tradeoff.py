@@ -24,9 +24,26 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
+from leanformer.apps.plots import plot_tradeoff
+from leanformer.bench.compiled import compile_for_inference
+from leanformer.bench.flops import count_gflops
+from leanformer.bench.throughput import measure_throughput
 from leanformer.config import DataConfig, RunConfig, from_dict, read_yaml_mapping
+from leanformer.data.loaders import eval_loader, train_loader
+from leanformer.engine.builders import build_model, build_split
+from leanformer.engine.checkpoint import load_model
+from leanformer.engine.evaluate import evaluate
+from leanformer.engine.run_folder import clear_run
+from leanformer.engine.train import fit
+from leanformer.layers.budgets import parse_keep
+from leanformer.layers.token_pooling import METHODS, list_methods, pooling_method
+from leanformer.models.pretrained import model_card
+from leanformer.models.registry import model_info
+from leanformer.patch.api import apply_token_pooling, is_patched, remove_token_pooling
+from leanformer.patch.timm import create_timm_model
 from leanformer.progress import progress_bar
 
 BASELINE = "none"
@@ -94,7 +111,6 @@ def validate(cfg: SweepConfig) -> None:
         raise ValueError("pretrained: true applies to model: without train: (the shipped weights are used)")
     if cfg.timm_options and not cfg.timm_model:
         raise ValueError("timm_options: only applies to timm_model: (a checkpoint or model: ignores it)")
-    from leanformer.layers.token_pooling import METHODS, pooling_method
 
     for m in methods_of(cfg):
         try:
@@ -116,14 +132,10 @@ def validate(cfg: SweepConfig) -> None:
             "finetune_epochs must be >= 0, seeds, throughput_runs and throughput_batch_size >= 1"
         )
     if cfg.pretrained:
-        from leanformer.models.pretrained import model_card
-
         model_card(cfg.model)  # type: ignore[arg-type]
 
 
 def methods_of(cfg: SweepConfig) -> list[str]:
-    from leanformer.layers.token_pooling import list_methods
-
     methods = cfg.methods if cfg.methods is not None else list_methods()
     if isinstance(methods, str):
         methods = [m.strip() for m in methods.split(",") if m.strip()]
@@ -135,8 +147,6 @@ def methods_of(cfg: SweepConfig) -> list[str]:
 
 def method_options(cfg: SweepConfig, method: str) -> dict[str, Any]:
     """The ``pool_options`` that ``method`` takes (e.g. ``max_iters`` only reaches clustering)."""
-    from leanformer.layers.token_pooling import METHODS
-
     spec = METHODS["merge" if method == TOME else method]
     return {k: v for k, v in cfg.pool_options.items() if k in spec.options}
 
@@ -154,16 +164,15 @@ def tome_rs(cfg: SweepConfig) -> list[Any]:
 
 
 def budget_label(keep: Any) -> str:
-    """Short printable name of a keep value: the preset name, ``r0.7``, or ``64-48-32``."""
+    """The name of a sweep budget in results and tables: a string as written in the sweep
+    file (a preset name, ``r16``), else :meth:`KeepSchedule.label` (``r0.7``, ``64-48-32``,
+    ``16/block``)."""
     if isinstance(keep, str):
         return keep
-    if isinstance(keep, dict) and set(keep) == {"r"}:
-        return f"{keep['r']}/block"
-    if isinstance(keep, float):
-        return f"r{keep:g}"
-    if isinstance(keep, list | tuple):
-        return "-".join(f"{v:g}" if isinstance(v, float) else str(v) for v in keep)
-    return str(keep)
+    try:
+        return parse_keep(keep).label()
+    except ValueError:
+        return str(keep)  # a budget the model refuses is named in its own error message
 
 
 # Methods whose result depends on a random draw: measured once per seed.
@@ -191,18 +200,12 @@ def sweep_points(cfg: SweepConfig) -> list[tuple[str, Any, int | None]]:
 def load_base_model(cfg: SweepConfig, *, out_dir: Path | None = None, progress: bool = True) -> nn.Module:
     """The model every variant is copied from (trained, loaded or built)."""
     if cfg.checkpoint:
-        from leanformer.engine.checkpoint import load_model
-
         return load_model(cfg.checkpoint, device=cfg.device)
     if cfg.timm_model:
-        from leanformer.patch.timm import create_timm_model
-
         return create_timm_model(cfg.timm_model, **cfg.timm_options).to(cfg.device)
     assert cfg.model is not None
     run_cfg = base_run_config(cfg)
     if cfg.train:
-        from leanformer.engine.train import fit
-
         result = fit(run_cfg, out_dir=None if out_dir is None else out_dir / "base", progress=progress)
         return result.model
     return untrained_base_model(cfg, pretrained=cfg.pretrained).to(cfg.device)
@@ -228,8 +231,6 @@ def with_method(
 
     Any pooling the base already has is removed first, so ``BASELINE`` is the plain model.
     """
-    from leanformer.patch.api import apply_token_pooling, is_patched, remove_token_pooling
-
     model = copy.deepcopy(base)
     if is_patched(model):
         remove_token_pooling(model)
@@ -243,8 +244,6 @@ def with_method(
 
 def check_timm_fits_data(model: nn.Module, info: Any) -> None:
     """A timm ViT built with ``timm_options`` must take the data's channels, classes and size."""
-    from timm.models.vision_transformer import VisionTransformer
-
     if not isinstance(model, VisionTransformer):
         return  # leanformer models take these from the data when they are built
     embed = model.patch_embed
@@ -272,8 +271,6 @@ def check_poolable(cls: type[nn.Module]) -> None:
     A Perceiver's blocks, say, run on its latent queries, which have no token grid and
     must not be pooled as if they did.
     """
-    from timm.models.vision_transformer import VisionTransformer
-
     if not issubclass(cls, VisionTransformer) and not cls.__module__.startswith("transformers."):
         raise ValueError(
             f"token pooling applies to DeiT models, timm ViTs and Hugging Face ViTs, not to {cls.__name__}"
@@ -323,11 +320,6 @@ def tokens_out(model: nn.Module, x: Tensor) -> int:
 
 
 def measure_point(model: nn.Module, *, loader: Any, batch: Tensor, cfg: SweepConfig) -> dict[str, float]:
-    from leanformer.bench.compiled import compile_for_inference
-    from leanformer.bench.flops import count_gflops
-    from leanformer.bench.throughput import measure_throughput
-    from leanformer.engine.evaluate import evaluate
-
     model.eval()
     row: dict[str, float] = {}
     # FLOPs and token counts from the eager model; accuracy and speed from what runs.
@@ -358,8 +350,6 @@ def _check_sweep_folder(out: Path, *, overwrite: bool) -> None:
 
 
 def _clear_sweep_folder(out: Path) -> None:
-    from leanformer.engine.run_folder import clear_run
-
     for name in SWEEP_FILES[:-1]:
         (out / name).unlink(missing_ok=True)
     if (out / "base").is_dir():
@@ -369,8 +359,6 @@ def _clear_sweep_folder(out: Path) -> None:
 def untrained_base_model(cfg: SweepConfig, *, pretrained: bool = False) -> nn.Module:
     """``model:`` as built for the sweep's data, before training: the shape of the base
     (with ``pretrained``, the shipped weights: the base itself)."""
-    from leanformer.engine.builders import build_model, build_split
-
     assert cfg.model is not None
     info = build_split(cfg.data, "test").info  # type: ignore[attr-defined]
     torch.manual_seed(cfg.seed)  # the untrained weights a sweep without train: evaluates
@@ -407,13 +395,8 @@ def run_sweep(
     ``base`` skips loading/training the base model (tests, or a model already in memory).
     ``out_dir`` must not hold a sweep's results already unless ``overwrite`` is set.
     """
-    from leanformer.data.loaders import eval_loader, train_loader
-    from leanformer.engine.builders import build_split
-
     validate(cfg)
     if base is None and cfg.model is not None:
-        from leanformer.models.registry import model_info
-
         check_poolable(model_info(cfg.model).cls)  # before training it
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
@@ -472,18 +455,18 @@ def run_sweep(
     finally:
         if jsonl is not None:
             jsonl.close()
-    _add_relative(rows)
+    add_relative(rows)
     if out is not None:
         (out / "table.md").write_text(markdown_table(summarise_seeds(rows), title=cfg.name) + "\n")
         (out / "sweep.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
-        from leanformer.bench.plots import plot_tradeoff
-
         plot_tradeoff(summarise_seeds(rows), out / "tradeoff.png", title=cfg.name)
     return SweepResult(rows=rows, out_dir=out, base=base)
 
 
-def _add_relative(rows: list[dict[str, Any]]) -> None:
-    """Speedup and accuracy change against the ``none`` row, measured in the same run."""
+def add_relative(rows: list[dict[str, Any]]) -> None:
+    """Add, in place, each row's change against the baseline row (method ``none``):
+    ``d_top1`` (top-1 points), ``flops_ratio`` (base GFLOPs over the row's) and, where both
+    rows hold img/s, ``speedup``. Without a baseline row nothing is added."""
     ref = next((r for r in rows if r["method"] == BASELINE), None)
     if ref is None:
         return
