@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from pathlib import Path
 
@@ -81,3 +82,15 @@ def test_bad_values_are_one_line_usage_errors(
         code = exit_.code  # argparse's own usage errors
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and message in err
+
+
+def test_eval_compile_flag_reaches_the_config(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import leanformer.bench.compiled as compiled
+
+    monkeypatch.setattr(compiled, "compile_model", lambda model: model)  # eager stand-in
+    argv = ["eval", "--model", "deit_test", "--img-size", "8", "--data.limit_test", "8", "--json"]
+    for extra, expected in (([], False), (["--compile"], True)):
+        assert main([*argv, *extra]) == 0
+        assert json.loads(capsys.readouterr().out.splitlines()[-1])["compiled"] is expected
