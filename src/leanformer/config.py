@@ -3,6 +3,12 @@
 ``load_config(path, overrides)`` reads a YAML file (or the defaults) and applies
 ``{"optim.lr": "1e-3", "model_options.pool": "wkmedoids"}``-style overrides. Unknown
 keys and badly typed values raise ``ValueError`` naming the key and close matches.
+
+An option that also has a command-line flag declares it here, beside its field
+(``flag(...)``; ``entry_flags`` for keys of a free-form mapping such as ``model_options``).
+:func:`declared_flags` lists them; ``commands/_options.py`` turns them into argparse flags
+and the parsed values back into dotted overrides, so a flag, a YAML key and a dotted
+override of one option cannot drift apart.
 """
 
 from __future__ import annotations
@@ -11,21 +17,60 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from leanformer.layers.budgets import KeepSchedule, parse_keep
+from leanformer.layers.budgets import KEEP_HELP, KeepSchedule, parse_keep
+
+_FLAG = "leanformer_flag"  # dataclass field metadata keys
+_ENTRY_FLAGS = "leanformer_entry_flags"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """The command-line flag of one config key (``--lr`` for ``optim.lr``). ``type`` reads
+    the typed text: ``bool`` is an on-switch; a callable other than ``int``/``float``/``str``
+    raises ``ValueError`` for a bad value; ``None``: the field's annotation."""
+
+    name: str
+    help: str
+    type: Any = None
+
+
+def flag(default: Any, name: str, help: str, type: Any = None) -> Any:
+    """A dataclass field whose value can also be given as ``name`` on the command line."""
+    return field(default=default, metadata={_FLAG: Flag(name, help, type)})
+
+
+def entry_flags(**flags: Flag) -> dict[str, Any]:
+    """Field metadata: flags for some keys of a free-form mapping (``model_options``)."""
+    return {_ENTRY_FLAGS: flags}
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (``--batch-size``, ``--img-size``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"must be >= 1, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = "digits"
-    root: str | None = None  # local folder for cifar10 / imagefolder / paired data
-    img_size: int | None = None  # None: the dataset's default
-    batch_size: int = 64  # global batch (split across processes under DDP)
+    name: str = flag("digits", "--data", "dataset name (digits, cifar10, imagefolder, digits_pairs, ...)")
+    # local folder for cifar10 / imagefolder / paired data
+    root: str | None = flag(None, "--data-root", "local folder for datasets read from disk")
+    # None: the dataset's default
+    img_size: int | None = flag(None, "--img-size", "input image size", positive_int)
+    # global batch (split across processes under DDP)
+    batch_size: int = flag(64, "--batch-size", "batch size", positive_int)
     eval_batch_size: int = 256
     limit_train: int | None = None  # use only the first N training samples (quick runs, tests)
     limit_test: int | None = None
@@ -35,9 +80,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-3
+    lr: float = flag(1e-3, "--lr", "peak learning rate")
     weight_decay: float = 0.05
-    epochs: int = 10
+    epochs: int = flag(10, "--epochs", "number of epochs")
     warmup_epochs: float = 1.0
     min_lr: float = 1e-5
     beta1: float = 0.9
@@ -48,24 +93,39 @@ class OptimConfig:
 class TrainConfig:
     label_smoothing: float = 0.1
     grad_clip: float | None = 1.0
-    query_masking: bool = False  # Perceiver: train each batch on the first K queries
+    query_masking: bool = flag(
+        False, "--query-masking", "Perceiver Query Masking: train each batch on the first K~U[1,Q] queries"
+    )
     query_distribution: str = "uniform"
-    teacher: str | None = None  # registered model name or checkpoint path (distillation)
-    distill_weight: float = 0.5
-    distill_tau: float = 1.0
+    teacher: str | None = flag(None, "--teacher", "distillation teacher: registered name or checkpoint path")
+    distill_weight: float = flag(0.5, "--distill-weight", "soft-label loss weight (1 = soft only)")
+    distill_tau: float = flag(1.0, "--distill-tau", "distillation temperature")
     checkpoint: bool = True  # write last.safetensors after every epoch
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    model: str = "deit_digits"
-    model_options: dict[str, Any] = field(default_factory=dict)
+    model: str = flag("deit_digits", "--model", "registered model name (see `leanformer models`)")
+    # Constructor options of the model: any key it accepts (YAML, --opt KEY=VALUE, dotted
+    # overrides); these have a flag of their own.
+    model_options: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=entry_flags(
+            pool=Flag("--pool", "token pooling method (DeiT): wkmedoids, kmeans, powerbert, merge, ...", str),
+            keep=Flag("--keep", KEEP_HELP, parse_keep),
+            carry=Flag("--carry", "track token sizes (proportional attention)", bool),
+            attention=Flag("--attention", "attention variant (detr_encoder: dense | enact)", str),
+            sigma=Flag("--sigma", "ENACT entropy smoothing sigma (0 disables)", float),
+        ),
+    )
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 0
     device: str = "cpu"
-    compile: bool = False  # eval: run torch.compile(model, fullgraph=True)
+    compile: bool = flag(
+        False, "--compile", "evaluate torch.compile(model, fullgraph=True) (config: compile: true)"
+    )
 
     def __post_init__(self) -> None:
         # The token budget is parsed here, once, whether it came from YAML, a dotted
@@ -90,6 +150,28 @@ def plain_options(options: dict[str, Any]) -> dict[str, Any]:
 
 def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def declared_flags(cls: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, Flag]]:
+    """``(dotted key, flag)`` of every option of ``cls`` that has a flag, in field order;
+    each flag's ``type`` is resolved (from the annotation when the declaration gives none)."""
+    hints = _field_types(cls)
+    for f in fields(cls):
+        key, annotation = f"{prefix}{f.name}", hints[f.name]
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+            yield from declared_flags(annotation, f"{key}.")
+        if _FLAG in f.metadata:
+            spec: Flag = f.metadata[_FLAG]
+            # `int | None` -> int: None is what an absent flag already means.
+            kinds = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+            yield key, replace(spec, type=spec.type or kinds[0])
+        for entry, spec in f.metadata.get(_ENTRY_FLAGS, {}).items():
+            yield f"{key}.{entry}", spec
+
+
+def flag_names() -> dict[str, str]:
+    """``{"optim.lr": "--lr", ...}``: messages name the flag the user would type."""
+    return {key: spec.name for key, spec in declared_flags()}
 
 
 def parse_scalar(text: str) -> Any:

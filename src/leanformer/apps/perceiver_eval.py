@@ -28,6 +28,8 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from leanformer.apps.plots import save_figure, style_accuracy_axis
+from leanformer.apps.table import column
+from leanformer.apps.table import markdown_table as render_table
 from leanformer.bench.flops import count_gflops
 from leanformer.bench.timing import time_interleaved
 from leanformer.engine.evaluate import evaluate
@@ -245,14 +247,8 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, 
     """Rows as a markdown table; ``columns`` = ``[(key, header), ...]`` (default: every key)."""
     if not rows:
         return ""
-    columns = columns or [(k, k) for k in rows[0]]
-    lines = [
-        "| " + " | ".join(h for _, h in columns) + " |",
-        "|" + "|".join("---:" for _ in columns) + "|",
-    ]
-    for row in rows:
-        lines.append("| " + " | ".join(_fmt(row.get(k, "")) for k, _ in columns) + " |")
-    return "\n".join(lines)
+    keys = columns or [(k, k) for k in rows[0]]
+    return render_table(rows, [column(key, header, _fmt, right=True) for key, header in keys])
 
 
 def plot_perceiver(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,8 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
 from leanformer.apps.plots import plot_tradeoff
+from leanformer.apps.table import Column
+from leanformer.apps.table import markdown_table as render_table
 from leanformer.bench.compiled import compile_for_inference
 from leanformer.bench.flops import count_gflops
 from leanformer.bench.throughput import measure_throughput
@@ -500,26 +502,27 @@ def _fmt(value: Any, spec: str) -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+def _top1(r: Mapping[str, Any]) -> str:
+    seeds = f" ± {r['top1_std']:.2f} ({r['seeds']} seeds)" if "top1_std" in r else ""
+    return _fmt(r["top1"], ".2f") + seeds
+
+
+TRADEOFF_COLUMNS = (
+    Column("method", lambda r: r["method"] + (" (ft)" if r.get("finetuned") else "")),
+    Column("keep", lambda r: str(r["keep"])),
+    Column("top-1 (%)", _top1),
+    Column("Δ top-1", lambda r: _fmt(r.get("d_top1"), "+.2f")),
+    Column("GFLOPs", lambda r: _fmt(r["gflops"], ".4f" if r["gflops"] < 0.1 else ".3f")),
+    Column("FLOPs ratio", lambda r: _fmt(r.get("flops_ratio"), ".2f")),
+    Column("img/s", lambda r: _fmt(r.get("img_per_s"), ".0f")),
+    Column("speedup", lambda r: _fmt(r.get("speedup"), ".2f")),
+    Column("tokens out", lambda r: str(r.get("tokens_out", "–"))),
+)
+
+
 def markdown_table(rows: list[dict[str, Any]], *, title: str | None = None) -> str:
     """Rows grouped by method (baseline first), budgets in sweep order."""
-    head = "| method | keep | top-1 (%) | Δ top-1 | GFLOPs | FLOPs ratio | img/s | speedup | tokens out |"
-    lines = ([f"**{title}**", ""] if title else []) + [head, "|" + "---|" * 9]
-    for r in rows:
-        lines.append(
-            "| {method} | {keep} | {top1} | {d} | {g} | {fr} | {ips} | {sp} | {tok} |".format(
-                method=r["method"] + (" (ft)" if r.get("finetuned") else ""),
-                keep=r["keep"],
-                top1=_fmt(r["top1"], ".2f")
-                + (f" ± {r['top1_std']:.2f} ({r['seeds']} seeds)" if "top1_std" in r else ""),
-                d=_fmt(r.get("d_top1"), "+.2f"),
-                g=_fmt(r["gflops"], ".4f" if r["gflops"] < 0.1 else ".3f"),
-                fr=_fmt(r.get("flops_ratio"), ".2f"),
-                ips=_fmt(r.get("img_per_s"), ".0f"),
-                sp=_fmt(r.get("speedup"), ".2f"),
-                tok=r.get("tokens_out", "–"),
-            )
-        )
-    return "\n".join(lines)
+    return render_table(rows, TRADEOFF_COLUMNS, title=title)
 
 
 def iter_rows(path: str | Path) -> Iterator[dict[str, Any]]:

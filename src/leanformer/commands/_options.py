@@ -1,13 +1,19 @@
-"""Command-line options shared by the commands, and their translation to configs."""
+"""Command-line options shared by the commands, and their translation to configs.
+
+The flags of config options are not written here: each is declared once, beside its field
+in :mod:`leanformer.config`. :func:`add_config_flags` adds them to a parser and
+:func:`config_flags_given` reads them back as dotted overrides.
+"""
 
 from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 from typing import Any
 
-from leanformer.config import parse_scalar
-from leanformer.layers.budgets import KEEP_HELP, KeepSchedule, parse_keep
+from leanformer.config import declared_flags, parse_scalar
+from leanformer.layers.budgets import KeepSchedule, parse_keep
 from leanformer.models.query_budget import check_query_count, has_query_budget
 
 
@@ -21,17 +27,6 @@ def parse_size(text: str) -> tuple[int, int]:
     if h < 1 or w < 1:
         raise argparse.ArgumentTypeError(f"sizes must be positive, got {text!r}")
     return h, w
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1 (argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def int_list(text: str) -> list[int]:
@@ -54,12 +49,54 @@ def float_list(text: str) -> list[float]:
         ) from None
 
 
+def argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` as an argparse type: its ``ValueError`` message becomes the usage error
+    (argparse itself would print only "invalid <name> value")."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return convert
+
+
 def keep_argument(text: str) -> KeepSchedule:
     """``--keep``: :func:`leanformer.layers.budgets.parse_keep`, its errors as usage errors."""
-    try:
-        return parse_keep(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
+    return argument_type(parse_keep)(text)
+
+
+def _under(key: str, sections: tuple[str, ...]) -> bool:
+    return any(key == s or key.startswith(f"{s}.") for s in sections)
+
+
+def add_config_flags(parser: Any, *sections: str) -> None:
+    """Add the declared flag of every config option in ``sections`` (dotted keys or their
+    prefixes: ``"data"``, ``"optim"``, ``"model"``), in field order.
+
+    Every flag defaults to ``None``, "not given": the config file's value then stands.
+    """
+    for key, spec in declared_flags():
+        if not _under(key, sections):
+            continue
+        if spec.type is bool:
+            parser.add_argument(spec.name, action="store_true", default=None, help=spec.help)
+        elif spec.type in (str, int, float):  # argparse's own message: "invalid int value: 'x'"
+            parser.add_argument(spec.name, type=spec.type, help=spec.help)
+        else:
+            parser.add_argument(spec.name, type=argument_type(spec.type), help=spec.help)
+
+
+def config_flags_given(args: argparse.Namespace, *sections: str) -> dict[str, Any]:
+    """``{dotted key: value}`` of the declared flags in ``sections`` that were given
+    (all of them without ``sections``)."""
+    values: dict[str, Any] = {}
+    for key, spec in declared_flags():
+        value = getattr(args, spec.name.lstrip("-").replace("-", "_"), None)
+        if value is not None and (not sections or _under(key, sections)):
+            values[key] = value
+    return values
 
 
 def parse_key_value(text: str) -> tuple[str, Any]:
@@ -71,11 +108,9 @@ def parse_key_value(text: str) -> tuple[str, Any]:
     return key, parse_scalar(value)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, model_required: bool = False) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
-    group.add_argument(
-        "--model", required=model_required, help="registered model name (see `leanformer models`)"
-    )
+    add_config_flags(group, "model")
     group.add_argument(
         "--opt",
         action="append",
@@ -89,13 +124,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, model_required: bool
         action="store_true",
         help="load the weights shipped with leanformer (see `leanformer models --pretrained`)",
     )
-    group.add_argument("--pool", help="token pooling method (DeiT): wkmedoids, kmeans, powerbert, merge, ...")
-    group.add_argument("--keep", type=keep_argument, help=KEEP_HELP)
-    group.add_argument(
-        "--carry", action="store_true", default=None, help="track token sizes (proportional attention)"
-    )
-    group.add_argument("--attention", help="attention variant (detr_encoder: dense | enact)")
-    group.add_argument("--sigma", type=float, help="ENACT entropy smoothing sigma (0 disables)")
+    add_config_flags(group, "model_options")
     group.add_argument("--num-queries", type=int, help="Perceiver: use the first K latent queries")
     group.add_argument("--dqs-threshold", type=float, help="Perceiver: Dynamic Query Selection threshold t")
     group.add_argument(
@@ -106,13 +135,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, model_required: bool
 
 
 def model_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Constructor overrides from the flags (only those the user gave)."""
-    options: dict[str, Any] = dict(args.opt)
-    for flag in ("pool", "keep", "carry", "attention", "sigma"):
-        value = getattr(args, flag, None)
-        if value is not None:
-            options[flag] = value
-    return options
+    """Constructor overrides from the flags (only those the user gave); a flag of its own
+    (``--pool``) wins over the same key in ``--opt``."""
+    given = config_flags_given(args, "model_options")
+    return {**dict(args.opt), **{key.split(".", 1)[1]: value for key, value in given.items()}}
 
 
 def forward_kwargs(args: argparse.Namespace, model: Any) -> dict[str, Any]:
@@ -151,25 +177,11 @@ def refuse_beside_checkpoint(
 
 
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("data")
-    group.add_argument("--data", help="dataset name (digits, cifar10, imagefolder, digits_pairs, ...)")
-    group.add_argument("--data-root", help="local folder for datasets read from disk")
-    group.add_argument("--img-size", type=positive_int, help="input image size")
-    group.add_argument("--batch-size", type=positive_int, help="batch size")
+    add_config_flags(parser.add_argument_group("data"), "data")
 
 
 def data_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    overrides: dict[str, Any] = {}
-    for flag, key in (
-        ("data", "data.name"),
-        ("data_root", "data.root"),
-        ("img_size", "data.img_size"),
-        ("batch_size", "data.batch_size"),
-    ):
-        value = getattr(args, flag, None)
-        if value is not None:
-            overrides[key] = value
-    return overrides
+    return config_flags_given(args, "data")
 
 
 def dotted_overrides(extra: list[str]) -> dict[str, str]:

@@ -24,7 +24,7 @@ HELP = "measure params, GFLOPs, throughput and peak memory"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser, model_required=False)
+    add_model_arguments(parser)
     parser.add_argument(
         "--checkpoint", help="bench a trained checkpoint (file or run folder) instead of --model"
     )

@@ -15,6 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    from leanformer.apps.table import column, markdown_table
     from leanformer.bench.report import trained_model_row
     from leanformer.config import load_config
     from leanformer.engine.train import fit
@@ -41,11 +42,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         "checkpoint": str(Path(args.out) / "last.safetensors"),
     }
     if not args.json:
-        print(f"\n{'model':<12} {'top-1 %':>8} {'params (M)':>11} {'GFLOPs':>8} {'img/s':>8}")
-        print(
-            f"{cfg.model:<12} {row['top1']:>8.2f} {row['params_m']:>11.3f} {row['gflops']:>8.4f} "
-            f"{row['img_per_s']:>8.0f}"
-        )
+        columns = [
+            column("model"),
+            column("top1", "top-1 %", "{:.2f}".format, right=True),
+            column("params_m", "params (M)", "{:.3f}".format, right=True),
+            column("gflops", "GFLOPs", "{:.4f}".format, right=True),
+            column("img_per_s", "img/s", "{:.0f}".format, right=True),
+        ]
+        print("\n" + markdown_table([row], columns))
         print(
             f"(digits test split, {args.epochs} epochs; img/s at batch 64 on {int(row['threads'])} threads; "
             f"checkpoint {row['checkpoint']})"

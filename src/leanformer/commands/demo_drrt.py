@@ -110,13 +110,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The results as a markdown table."""
-    lines = [
-        "| model | inputs | recurrence | fusion | params | top-1 % | train s |",
-        "|---|---|---|---|---:|---:|---:|",
+    from leanformer.apps.table import column, markdown_table
+
+    columns = [column("model"), column("inputs"), column("recurrence"), column("fusion")]
+    columns += [
+        column("params", fmt="{:,}".format, right=True),
+        column("top1", "top-1 %", "{:.1f}".format, right=True),
+        column("train_seconds", "train s", "{:.0f}".format, right=True),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['inputs']} | {r['recurrence']} | {r['fusion']} | {r['params']:,} | "
-            f"{r['top1']:.1f} | {r['train_seconds']:.0f} |"
-        )
-    return "\n".join(lines)
+    return markdown_table(rows, columns)

@@ -82,12 +82,16 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def print_table(rows: list[dict], epochs: int) -> None:
-    print(f"\n| {'model':<22} | {'top-1 %':>7} | {'params (M)':>10} | {'GFLOPs':>7} | {'img/s':>7} | note")
-    print(f"|{'-' * 24}|{'-' * 9}|{'-' * 12}|{'-' * 9}|{'-' * 9}|------")
-    for r in rows:
-        print(
-            f"| {r['model']:<22} | {r['top1']:>7.2f} | {r['params_m']:>10.3f} | {r['gflops']:>7.4f} | "
-            f"{r['img_per_s']:>7.0f} | {r['note']}"
-        )
+    from leanformer.apps.table import column, markdown_table
+
+    columns = [
+        column("model"),
+        column("top1", "top-1 %", "{:.2f}".format, right=True),
+        column("params_m", "params (M)", "{:.3f}".format, right=True),
+        column("gflops", "GFLOPs", "{:.4f}".format, right=True),
+        column("img_per_s", "img/s", "{:.0f}".format, right=True),
+        column("note"),
+    ]
+    print("\n" + markdown_table(rows, columns))
     threads = int(rows[0]["threads"]) if rows else 0
     print(f"(digits test split, {epochs} epochs each; img/s in eval mode at batch 64 on {threads} threads)")

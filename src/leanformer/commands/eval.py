@@ -11,9 +11,10 @@ import torch
 
 from leanformer.commands._hosts import ClassifierLogits, add_host_arguments, build_host_model, host_name
 from leanformer.commands._options import (
+    add_config_flags,
     add_data_arguments,
     add_model_arguments,
-    data_overrides,
+    config_flags_given,
     dotted_overrides,
     forward_kwargs,
     model_options,
@@ -33,17 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_host_arguments(parser)
     add_data_arguments(parser)
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="evaluate torch.compile(model, fullgraph=True) (config: compile: true)",
-    )
+    add_config_flags(parser, "compile")
 
 
 def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
     from leanformer.engine.checkpoint import load_model, read_checkpoint_meta
 
-    overrides = {**data_overrides(args), **dotted_overrides(args.extra)}
+    overrides = {**config_flags_given(args, "data", "compile"), **dotted_overrides(args.extra)}
     if args.checkpoint:
         hint = " (change the model with --pool/--keep/--opt KEY=VALUE)"
         refuse_beside_checkpoint(
@@ -130,7 +127,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             kept.append(counts.detach().float().cpu())
 
     kwargs = forward_kwargs(args, model)
-    compiled = args.compile or cfg.compile
+    compiled = cfg.compile
     if compiled:
         if "dqs_threshold" in kwargs:
             raise ValueError(

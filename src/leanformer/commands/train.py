@@ -9,11 +9,11 @@ from typing import Any
 
 from leanformer.commands import given
 from leanformer.commands._options import (
+    add_config_flags,
     add_data_arguments,
     add_model_arguments,
-    data_overrides,
+    config_flags_given,
     dotted_overrides,
-    model_options,
 )
 from leanformer.config import RunConfig, load_config
 
@@ -26,17 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (see configs/)")
     add_model_arguments(parser)
     add_data_arguments(parser)
-    parser.add_argument("--epochs", type=int, help="number of epochs")
-    parser.add_argument("--lr", type=float, help="peak learning rate")
-    parser.add_argument(
-        "--query-masking",
-        action="store_true",
-        default=None,
-        help="Perceiver Query Masking: train each batch on the first K~U[1,Q] queries",
-    )
-    parser.add_argument("--teacher", help="distillation teacher: registered name or checkpoint path")
-    parser.add_argument("--distill-weight", type=float, help="soft-label loss weight (1 = soft only)")
-    parser.add_argument("--distill-tau", type=float, help="distillation temperature")
+    add_config_flags(parser, "optim", "train")
     parser.add_argument(
         "--out", default=None, help="run folder; it must not hold a run already (default: runs/<model>)"
     )
@@ -57,23 +47,9 @@ def build_config(args: argparse.Namespace, saved_config: Path | None = None) -> 
 
     A resumed run keeps its own seed: ``--seed`` is not applied over a saved config.
     """
-    overrides: dict[str, Any] = {}
-    if args.model is not None:
-        overrides["model"] = args.model
-    for key, value in model_options(args).items():
-        overrides[f"model_options.{key}"] = value
-    overrides.update(data_overrides(args))
-    for flag, key in (
-        ("epochs", "optim.epochs"),
-        ("lr", "optim.lr"),
-        ("query_masking", "train.query_masking"),
-        ("teacher", "train.teacher"),
-        ("distill_weight", "train.distill_weight"),
-        ("distill_tau", "train.distill_tau"),
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            overrides[key] = value
+    # --opt first: a flag of its own (--pool) wins over the same key in --opt.
+    overrides: dict[str, Any] = {f"model_options.{key}": value for key, value in args.opt}
+    overrides.update(config_flags_given(args))
     # A config file's seed and device stand unless the flags are typed; a resumed run
     # keeps its seed regardless.
     from_file = saved_config is not None or args.config is not None

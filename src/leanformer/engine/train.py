@@ -25,7 +25,14 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import default_collate
 
-from leanformer.config import RunConfig, TrainConfig, parse_model_options, plain_options, to_dict
+from leanformer.config import (
+    RunConfig,
+    TrainConfig,
+    flag_names,
+    parse_model_options,
+    plain_options,
+    to_dict,
+)
 from leanformer.data.loaders import eval_loader, train_loader
 from leanformer.engine.builders import build_model, build_split
 from leanformer.engine.checkpoint import (
@@ -95,12 +102,8 @@ def _validate(cfg: RunConfig) -> None:
     check_dependent_options(cfg)
 
 
-# train.* options that only modify another one (key -> the option it needs, and its flag).
-_DEPENDENT = {
-    "distill_weight": ("teacher", "--teacher"),
-    "distill_tau": ("teacher", "--teacher"),
-    "query_distribution": ("query_masking", "--query-masking"),
-}
+# train.* options that only modify another one (key -> the option it needs).
+_DEPENDENT = {"distill_weight": "teacher", "distill_tau": "teacher", "query_distribution": "query_masking"}
 
 
 def _ignored_options(train: TrainConfig) -> list[tuple[str, str, str, bool]]:
@@ -108,8 +111,8 @@ def _ignored_options(train: TrainConfig) -> list[tuple[str, str, str, bool]]:
     true when the value differs from the default."""
     defaults = TrainConfig()
     return [
-        (key, needed, flag, getattr(train, key) != getattr(defaults, key))
-        for key, (needed, flag) in _DEPENDENT.items()
+        (key, needed, flag_names()[f"train.{needed}"], getattr(train, key) != getattr(defaults, key))
+        for key, needed in _DEPENDENT.items()
         if getattr(train, needed) in (None, False)
     ]
 
