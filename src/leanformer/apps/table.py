@@ -37,3 +37,14 @@ def markdown_table(rows: Sequence[Row], columns: Sequence[Column], *, title: str
     lines.append("|" + "|".join("---:" if c.right else "---" for c in columns) + "|")
     lines += ["| " + " | ".join(c.cell(row) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def trained_model_columns() -> list[Column]:
+    """The columns of a row from ``bench.report.trained_model_row``, as the demos print it."""
+    return [
+        column("model"),
+        column("top1", "top-1 %", "{:.2f}".format, right=True),
+        column("params_m", "params (M)", "{:.3f}".format, right=True),
+        column("gflops", "GFLOPs", "{:.4f}".format, right=True),
+        column("img_per_s", "img/s", "{:.0f}".format, right=True),
+    ]

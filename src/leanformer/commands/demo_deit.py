@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.apps.table import column, markdown_table
+    from leanformer.apps.table import markdown_table, trained_model_columns
     from leanformer.bench.report import trained_model_row
     from leanformer.config import load_config
     from leanformer.engine.train import fit
@@ -42,13 +42,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         "checkpoint": str(Path(args.out) / "last.safetensors"),
     }
     if not args.json:
-        columns = [
-            column("model"),
-            column("top1", "top-1 %", "{:.2f}".format, right=True),
-            column("params_m", "params (M)", "{:.3f}".format, right=True),
-            column("gflops", "GFLOPs", "{:.4f}".format, right=True),
-            column("img_per_s", "img/s", "{:.0f}".format, right=True),
-        ]
+        columns = trained_model_columns()
         print("\n" + markdown_table([row], columns))
         print(
             f"(digits test split, {args.epochs} epochs; img/s at batch 64 on {int(row['threads'])} threads; "

@@ -82,14 +82,10 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def print_table(rows: list[dict], epochs: int) -> None:
-    from leanformer.apps.table import column, markdown_table
+    from leanformer.apps.table import column, markdown_table, trained_model_columns
 
     columns = [
-        column("model"),
-        column("top1", "top-1 %", "{:.2f}".format, right=True),
-        column("params_m", "params (M)", "{:.3f}".format, right=True),
-        column("gflops", "GFLOPs", "{:.4f}".format, right=True),
-        column("img_per_s", "img/s", "{:.0f}".format, right=True),
+        *trained_model_columns(),
         column("note"),
     ]
     print("\n" + markdown_table(rows, columns))
