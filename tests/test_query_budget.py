@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from leanformer.cli import main
 from leanformer.models.query_budget import QueryBudgetModel, check_query_count, has_query_budget, query_budget
 from leanformer.models.registry import create_model
 
@@ -40,3 +41,18 @@ def test_perceiver_forward_uses_the_same_check() -> None:
         assert perceiver(x, num_queries=1).shape == perceiver(x, num_queries=8).shape
         with pytest.raises(ValueError, match=r"num_queries must be an integer in \[1, 8\]"):
             perceiver(x, num_queries=9)
+
+
+@pytest.mark.parametrize(
+    ("argv", "command"),
+    [
+        (["perceiver-eval"], "perceiver-eval"),
+        (["visualize", "perceiver-attention"], "visualize perceiver-attention"),
+    ],
+)
+def test_perceiver_commands_name_themselves_for_a_model_without_queries(
+    argv: list[str], command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*argv, "--model", "deit_test", "--data", "digits", "--limit", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{command} needs a Visual Perceiver" in err

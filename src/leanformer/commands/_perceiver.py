@@ -12,8 +12,9 @@ from leanformer.commands._options import data_overrides, refuse_beside_checkpoin
 from leanformer.models.query_budget import query_budget
 
 
-def load_perceiver(args: argparse.Namespace, *, split: str) -> tuple[Any, Any]:
-    """``(model, dataset)`` from ``--checkpoint`` (its own data config) or ``--model`` + ``--data``."""
+def load_perceiver(args: argparse.Namespace, *, split: str, command: str) -> tuple[Any, Any]:
+    """``(model, dataset)`` from ``--checkpoint`` (its own data config) or ``--model`` + ``--data``;
+    ``command`` names the subcommand in the error for a model that is not a Perceiver."""
     from leanformer.config import RunConfig, apply_overrides, from_dict, load_config
     from leanformer.engine.builders import build_model, build_split, check_data_fits
 
@@ -35,7 +36,7 @@ def load_perceiver(args: argparse.Namespace, *, split: str) -> tuple[Any, Any]:
         model, _ = build_model(cfg.model, {}, build_split(cfg.data, split).info)  # type: ignore[attr-defined]
     else:
         raise ValueError("give --checkpoint PATH (a trained Visual Perceiver) or --model NAME")
-    query_budget(model, needed_by="visualize perceiver-attention")
+    query_budget(model, needed_by=command)
     dataset = build_split(cfg.data, split)
     info = dataset.info  # type: ignore[attr-defined]
     check_data_fits(type(model), info, name=getattr(model, "leanformer_name", None))

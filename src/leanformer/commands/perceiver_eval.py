@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     if args.reps < 0 or args.time_batch < 0 or args.runs < 1:
         raise ValueError("--reps and --time-batch must be >= 0 and --runs >= 1")
-    model, dataset = load_perceiver(args, split=args.split)
+    model, dataset = load_perceiver(args, split=args.split, command="perceiver-eval")
     ks = _query_counts(args.ks, query_budget(model, needed_by="perceiver-eval"))
     loader = eval_loader(dataset, batch_size=args.batch_size or 256)
     acc = accuracy_by_k(model, loader, ks, device=args.device)

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.apps.attention_maps import average_cross_attention, save_attention_grid
     from leanformer.data.loaders import eval_loader
 
-    model, dataset = load_perceiver(args, split=args.split)
+    model, dataset = load_perceiver(args, split=args.split, command="visualize perceiver-attention")
     if args.num_queries is not None:
         check_query_count(args.num_queries, query_budget(model), name="--num-queries")
     maps = average_cross_attention(
