@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from leanformer.apps.tradeoff import sweep_config_from_dict
+from leanformer.apps.sweep_config import sweep_config_from_dict
 from leanformer.bench import compiled as compiled_module
 from leanformer.bench.report import bench_model
 from leanformer.cli import main

@@ -142,7 +142,8 @@ def test_perceiver_eval_rejects_too_many_queries(capsys: Capture) -> None:
 
 
 def test_tradeoff_refuses_models_without_patch_tokens() -> None:
-    from leanformer.apps.tradeoff import check_poolable, run_sweep, sweep_config_from_dict
+    from leanformer.apps.sweep_config import sweep_config_from_dict
+    from leanformer.apps.tradeoff import check_poolable, run_sweep
     from leanformer.models.deit import DeiT
     from leanformer.models.perceiver import VisualPerceiver
 

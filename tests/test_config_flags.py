@@ -9,14 +9,23 @@ from pathlib import Path
 
 import pytest
 
+from leanformer.apps.sweep_config import SweepConfig, load_sweep_config
 from leanformer.cli import build_parser, main
-from leanformer.commands import train
+from leanformer.commands import demo_deit, demo_drrt, demo_perceiver, demo_sret, tradeoff, train
 from leanformer.commands._options import add_config_flags, config_flags_given
-from leanformer.config import Flag, declared_flags, load_config, positive_int, to_dict
+from leanformer.config import Flag, declared_flags, load_config, positive_int, positive_number, to_dict
 from leanformer.layers.budgets import parse_keep
 
 # A value each kind of flag accepts, as typed; a new kind needs a sample here.
-SAMPLES = {bool: "true", int: "3", float: "0.25", str: "abc", positive_int: "3", parse_keep: "0.5"}
+SAMPLES = {
+    bool: "true",
+    int: "3",
+    float: "0.25",
+    str: "abc",
+    positive_int: "3",
+    positive_number: "0.25",
+    parse_keep: "0.5",
+}
 FLAGS = list(declared_flags())
 
 
@@ -67,7 +76,8 @@ def test_train_flags_then_dotted_overrides_win() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["train", "--lr", "fast"], "leanformer train: error: argument --lr: invalid float value: 'fast'"),
+        (["train", "--lr", "fast"], "leanformer train: error: argument --lr: expected a number, got 'fast'"),
+        (["train", "--epochs", "2.5"], "argument --epochs: expected an integer, got '2.5'"),
         (["train", "--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
         (["train", "--keep", "nope"], "argument --keep: unknown keep preset 'nope'"),
         (["train", "--optim.lrr", "1"], "unknown config key 'optim.lrr'; did you mean lr?"),
@@ -94,3 +104,78 @@ def test_eval_compile_flag_reaches_the_config(
     for extra, expected in (([], False), (["--compile"], True)):
         assert main([*argv, *extra]) == 0
         assert json.loads(capsys.readouterr().out.splitlines()[-1])["compiled"] is expected
+
+
+# Each sweep flag as typed, and the same value as its sweep file would hold it.
+SWEEP_SAMPLES = {
+    "methods": (["--methods", "merge, kmeans"], "[merge, kmeans]"),
+    "budgets": (["--budget", "0.5", "--budget", "r16", "--budget", "12,8"], "[0.5, r16, [12, 8]]"),
+    "finetune_epochs": (["--finetune-epochs", "2"], "2"),
+    "throughput": (["--no-throughput"], "false"),
+    "compile": (["--compile"], "true"),
+}
+SWEEP_FLAGS = list(declared_flags(SweepConfig, nested=False))
+
+
+def test_every_sweep_flag_has_a_sample() -> None:
+    assert sorted(key for key, _ in SWEEP_FLAGS) == sorted(SWEEP_SAMPLES)
+
+
+@pytest.mark.parametrize("key", sorted(SWEEP_SAMPLES))
+def test_sweep_flag_and_sweep_file_agree(key: str, tmp_path: Path) -> None:
+    argv, yaml_text = SWEEP_SAMPLES[key]
+    base = "model: deit_test\nbudgets: [0.7]\n"
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, schema=SweepConfig, nested=False)
+    overrides = config_flags_given(parser.parse_args(argv), schema=SweepConfig, nested=False)
+    assert list(overrides) == [key]  # the other flags stay "not given"
+
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(base)
+    edited = tmp_path / "edited.yaml"
+    # The flag's value replaces the file's, as a YAML key written in its place would.
+    lines = [line for line in base.splitlines(keepends=True) if not line.startswith(f"{key}:")]
+    edited.write_text("".join(lines) + f"{key}: {yaml_text}\n")
+    from_flag = load_sweep_config(plain, overrides)
+    assert from_flag == load_sweep_config(edited) != load_sweep_config(plain)
+
+
+def test_tradeoff_command_takes_the_declared_sweep_flags() -> None:
+    args = build_parser().parse_args(
+        [
+            "tradeoff",
+            "--preset",
+            "tradeoff_digits",
+            "--methods",
+            "merge",
+            "--budget",
+            "0.4",
+            "--no-throughput",
+        ]
+    )
+    assert tradeoff.overrides_from_args(args) == {"methods": ["merge"], "budgets": [0.4], "throughput": False}
+
+
+def test_a_bad_budget_flag_is_a_one_line_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["tradeoff", "--preset", "tradeoff_digits", "--budget", "nope"])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1
+    assert "argument --budget: unknown keep preset 'nope'" in err
+
+
+DEMOS = [demo_deit, demo_drrt, demo_perceiver, demo_sret]
+
+
+@pytest.mark.parametrize("demo", DEMOS, ids=[d.COMMAND[1] for d in DEMOS])
+def test_demo_training_flags_are_the_run_config_flags(demo, capsys: pytest.CaptureFixture[str]) -> None:
+    # Without flags a demo trains with its own defaults; each flag is checked as `train`'s is.
+    args = build_parser().parse_args(list(demo.COMMAND))
+    assert config_flags_given(args, *demo.TRAINING) == demo.TRAINING
+    for key in demo.TRAINING:
+        name = dict(FLAGS)[key].name
+        with pytest.raises(SystemExit) as exit_:
+            main([*demo.COMMAND, name, "0"])
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and len(err.splitlines()) == 1
+        assert f"argument {name}: must be > " in err or f"argument {name}: must be >= 1" in err

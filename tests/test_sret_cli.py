@@ -19,8 +19,10 @@ def test_bench_reports_sret_extras(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_demo_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "sret", "--epochs", "0"]) == 2
-    assert "--epochs must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "sret", "--epochs", "0"])
+    assert exit_.value.code == 2
+    assert "argument --epochs: must be >= 1, got 0" in capsys.readouterr().err
     assert main(["demo", "sret", "--models", "sret_nope"]) == 2
     assert "unknown model" in capsys.readouterr().err
 

@@ -14,18 +14,14 @@ import yaml
 
 from leanformer.apps import cluster_maps
 from leanformer.apps.cluster_maps import patch_assignment, trace_token_sources
-from leanformer.apps.tradeoff import (
+from leanformer.apps.sweep_config import (
     SweepConfig,
-    add_relative,
     budget_label,
-    markdown_table,
     method_options,
-    run_sweep,
-    summarise_seeds,
     sweep_config_from_dict,
     sweep_points,
-    with_method,
 )
+from leanformer.apps.tradeoff import add_relative, markdown_table, run_sweep, summarise_seeds, with_method
 from leanformer.commands import demo_tokenpool, tradeoff, visualize_clusters
 from leanformer.engine.builders import build_model, build_split
 from leanformer.engine.evaluate import evaluate

@@ -33,17 +33,31 @@ _ENTRY_FLAGS = "leanformer_entry_flags"
 @dataclass(frozen=True)
 class Flag:
     """The command-line flag of one config key (``--lr`` for ``optim.lr``). ``type`` reads
-    the typed text: ``bool`` is an on-switch; a callable other than ``int``/``float``/``str``
-    raises ``ValueError`` for a bad value; ``None``: the field's annotation."""
+    the typed text: ``bool`` is a switch (on, or off with ``negate``); a callable other than
+    ``int``/``float``/``str`` raises ``ValueError`` for a bad value; ``None``: the field's
+    annotation. ``repeat``: the flag may be given several times and its values form a list."""
 
     name: str
     help: str
     type: Any = None
+    repeat: bool = False
+    negate: bool = False
+    metavar: str | None = None
 
 
-def flag(default: Any, name: str, help: str, type: Any = None) -> Any:
+def flag(
+    default: Any,
+    name: str,
+    help: str,
+    type: Any = None,
+    *,
+    repeat: bool = False,
+    negate: bool = False,
+    metavar: str | None = None,
+) -> Any:
     """A dataclass field whose value can also be given as ``name`` on the command line."""
-    return field(default=default, metadata={_FLAG: Flag(name, help, type)})
+    spec = Flag(name, help, type, repeat=repeat, negate=negate, metavar=metavar)
+    return field(default=default, metadata={_FLAG: spec})
 
 
 def entry_flags(**flags: Flag) -> dict[str, Any]:
@@ -60,6 +74,22 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise ValueError(f"must be >= 1, got {value}")
     return value
+
+
+def positive_number(text: str) -> float:
+    """A number > 0 (``--lr``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"must be > 0, got {text}")
+    return value
+
+
+def comma_list(text: str) -> list[str]:
+    """``"merge, kmeans"`` -> ``["merge", "kmeans"]`` (``--methods``)."""
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 @dataclass(frozen=True)
@@ -80,9 +110,9 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = flag(1e-3, "--lr", "peak learning rate")
+    lr: float = flag(1e-3, "--lr", "peak learning rate", positive_number)
     weight_decay: float = 0.05
-    epochs: int = flag(10, "--epochs", "number of epochs")
+    epochs: int = flag(10, "--epochs", "number of epochs", positive_int)
     warmup_epochs: float = 1.0
     min_lr: float = 1e-5
     beta1: float = 0.9
@@ -152,13 +182,16 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def declared_flags(cls: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, Flag]]:
+def declared_flags(
+    cls: type = RunConfig, prefix: str = "", *, nested: bool = True
+) -> Iterator[tuple[str, Flag]]:
     """``(dotted key, flag)`` of every option of ``cls`` that has a flag, in field order;
-    each flag's ``type`` is resolved (from the annotation when the declaration gives none)."""
+    each flag's ``type`` is resolved (from the annotation when the declaration gives none).
+    ``nested=False`` leaves out the options of sections (dataclass-typed fields)."""
     hints = _field_types(cls)
     for f in fields(cls):
         key, annotation = f"{prefix}{f.name}", hints[f.name]
-        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
+        if nested and isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             yield from declared_flags(annotation, f"{key}.")
         if _FLAG in f.metadata:
             spec: Flag = f.metadata[_FLAG]

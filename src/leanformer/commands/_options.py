@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from leanformer.config import declared_flags, parse_scalar
+from leanformer.config import RunConfig, declared_flags, parse_scalar
 from leanformer.layers.budgets import KeepSchedule, parse_keep
 from leanformer.models.query_budget import check_query_count, has_query_budget
 
@@ -71,28 +71,44 @@ def _under(key: str, sections: tuple[str, ...]) -> bool:
     return any(key == s or key.startswith(f"{s}.") for s in sections)
 
 
-def add_config_flags(parser: Any, *sections: str) -> None:
-    """Add the declared flag of every config option in ``sections`` (dotted keys or their
-    prefixes: ``"data"``, ``"optim"``, ``"model"``), in field order.
+def add_config_flags(
+    parser: Any,
+    *sections: str,
+    schema: type = RunConfig,
+    nested: bool = True,
+    defaults: dict[str, Any] | None = None,
+) -> None:
+    """Add the declared flag of every option of ``schema`` in ``sections`` (dotted keys or
+    their prefixes: ``"data"``, ``"optim"``, ``"model"``; all without), in field order.
+    ``nested=False``: only ``schema``'s own fields, not those of its sections.
 
-    Every flag defaults to ``None``, "not given": the config file's value then stands.
+    Every flag defaults to ``None``, "not given": the config file's value then stands. A
+    command without a config file (a demo) gives its own ``defaults`` by dotted key.
     """
-    for key, spec in declared_flags():
-        if not _under(key, sections):
+    defaults = defaults or {}
+    for key, spec in declared_flags(schema, nested=nested):
+        if sections and not _under(key, sections):
             continue
         if spec.type is bool:
-            parser.add_argument(spec.name, action="store_true", default=None, help=spec.help)
-        elif spec.type in (str, int, float):  # argparse's own message: "invalid int value: 'x'"
-            parser.add_argument(spec.name, type=spec.type, help=spec.help)
-        else:
-            parser.add_argument(spec.name, type=argument_type(spec.type), help=spec.help)
+            action = "store_false" if spec.negate else "store_true"
+            parser.add_argument(spec.name, action=action, default=None, help=spec.help)
+            continue
+        # int/float/str keep argparse's own message ("invalid int value: 'x'").
+        kind = spec.type if spec.type in (str, int, float) else argument_type(spec.type)
+        action = "append" if spec.repeat else "store"
+        help = f"{spec.help} (default: %(default)s)" if key in defaults else spec.help
+        parser.add_argument(
+            spec.name, type=kind, action=action, default=defaults.get(key), metavar=spec.metavar, help=help
+        )
 
 
-def config_flags_given(args: argparse.Namespace, *sections: str) -> dict[str, Any]:
-    """``{dotted key: value}`` of the declared flags in ``sections`` that were given
-    (all of them without ``sections``)."""
+def config_flags_given(
+    args: argparse.Namespace, *sections: str, schema: type = RunConfig, nested: bool = True
+) -> dict[str, Any]:
+    """``{dotted key: value}`` of the declared flags of ``schema`` in ``sections`` that were
+    given (all of them without ``sections``)."""
     values: dict[str, Any] = {}
-    for key, spec in declared_flags():
+    for key, spec in declared_flags(schema, nested=nested):
         value = getattr(args, spec.name.lstrip("-").replace("-", "_"), None)
         if value is not None and (not sections or _under(key, sections)):
             values[key] = value

@@ -5,12 +5,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from leanformer.commands._options import add_config_flags, config_flags_given
+
 COMMAND = ("demo", "deit")
 HELP = "train a small DeiT on the bundled digits and report accuracy, GFLOPs and img/s"
 
 
+# The run-config options this demo sets, with its defaults (flags as `train`'s).
+TRAINING = {"optim.epochs": 15}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--epochs", type=int, default=15)
+    add_config_flags(parser, *TRAINING, defaults=TRAINING)
     parser.add_argument("--out", default="runs/demo_deit", help="run folder, replaced by every demo run")
 
 
@@ -20,13 +26,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.config import load_config
     from leanformer.engine.train import fit
 
-    if args.epochs < 1:
-        raise ValueError(f"--epochs must be >= 1, got {args.epochs}")
     cfg = load_config(
         None,
         {
             "model": "deit_digits",
-            "optim.epochs": args.epochs,
+            **config_flags_given(args, *TRAINING),
             "optim.lr": 2e-3,
             "seed": args.seed,
             "device": args.device,

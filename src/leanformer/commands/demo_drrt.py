@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from leanformer.bench.results import write_jsonl
+from leanformer.commands._options import add_config_flags, config_flags_given
 
 COMMAND = ("demo", "drrt")
 HELP = "DRRT vs DRT vs single modalities vs fusion methods on the paired digits task (accuracy, params)"
@@ -23,10 +24,12 @@ RUNS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
+# The run-config options this demo sets, with its defaults (flags as `train`'s).
+TRAINING = {"optim.epochs": 8, "optim.lr": 2e-3, "data.batch_size": 32}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--epochs", type=int, default=8, help="epochs per model (default: 8)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: 2e-3)")
-    parser.add_argument("--batch-size", type=int, default=32, help="batch size (default: 32)")
+    add_config_flags(parser, *TRAINING, defaults=TRAINING)
     parser.add_argument(
         "--models",
         default=",".join(RUNS),
@@ -53,8 +56,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise ValueError(
             f"unknown --models entry {unknown[0] if unknown else '(empty)'}; choose from {', '.join(RUNS)}"
         )
-    if args.epochs < 1 or args.batch_size < 1 or args.lr <= 0:
-        raise ValueError("--epochs and --batch-size must be >= 1 and --lr > 0")
     verbose = not args.quiet and not args.json
     rows = []
     for key in keys:
@@ -62,9 +63,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         overrides: dict[str, Any] = {
             "model": name,
             "data.name": "digits_pairs",
-            "data.batch_size": args.batch_size,
-            "optim.epochs": args.epochs,
-            "optim.lr": args.lr,
+            **config_flags_given(args, *TRAINING),
             "train.checkpoint": False,
             "seed": args.seed,
             "device": args.device,

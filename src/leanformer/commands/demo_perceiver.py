@@ -14,7 +14,7 @@ from collections.abc import Sized
 from pathlib import Path
 from typing import Any, cast
 
-from leanformer.commands._options import float_list, int_list
+from leanformer.commands._options import add_config_flags, config_flags_given, float_list, int_list
 
 COMMAND = ("demo", "perceiver")
 HELP = "train the digits Visual Perceiver with and without Query Masking; print accuracy by K and DQS"
@@ -23,10 +23,13 @@ DEFAULT_KS = "1,2,4,8,16,32,64"
 DEFAULT_THRESHOLDS = "0.6,0.7,0.8,0.9,0.95,0.99"
 
 
+# The run-config options this demo sets, with its defaults (flags as `train`'s).
+TRAINING = {"optim.epochs": 10, "optim.lr": 1e-3}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_flags(parser, *TRAINING, defaults=TRAINING)
     parser.add_argument("--model", default="visual_perceiver_digits", help="a Visual Perceiver preset")
-    parser.add_argument("--epochs", type=int, default=10, help="training epochs per model (default 10)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     parser.add_argument(
         "--ks", type=int_list, default=int_list(DEFAULT_KS), help=f"query counts (default {DEFAULT_KS})"
     )
@@ -51,8 +54,7 @@ def _train(args: argparse.Namespace, masking: bool, out: Path) -> Any:
         None,
         {
             "model": args.model,
-            "optim.epochs": args.epochs,
-            "optim.lr": args.lr,
+            **config_flags_given(args, *TRAINING),
             "train.query_masking": masking,
             "seed": args.seed,
             "device": args.device,
@@ -74,8 +76,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.data.loaders import eval_loader
     from leanformer.engine.builders import build_split
 
-    if args.epochs < 1:
-        raise ValueError(f"--epochs must be >= 1, got {args.epochs}")
     if args.reps < 1:
         raise ValueError(f"--reps must be >= 1, got {args.reps}")
     out = Path(args.out)

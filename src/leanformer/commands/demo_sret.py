@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from leanformer.commands._options import add_config_flags, config_flags_given
+
 COMMAND = ("demo", "sret")
 HELP = "train a small sliced SReT, the same without slicing, and a DeiT on digits; compare them"
 
@@ -16,11 +18,14 @@ MODELS = (
 )
 
 
+# The run-config options this demo sets, with its defaults (flags as `train`'s).
+TRAINING = {"optim.epochs": 15, "optim.lr": 2e-3}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    # 15, as `demo deit`: the DeiT is still far from converged after 8 (61% against 84%),
-    # which would flatter the SReTs.
-    parser.add_argument("--epochs", type=int, default=15, help="training epochs per model (default: 15)")
-    parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default: 2e-3)")
+    # 15 epochs, as `demo deit`: the DeiT is still far from converged after 8 (61% against
+    # 84%), which would flatter the SReTs.
+    add_config_flags(parser, *TRAINING, defaults=TRAINING)
     parser.add_argument(
         "--models",
         default=",".join(name for name, _ in MODELS),
@@ -39,10 +44,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.engine.train import fit
     from leanformer.models.registry import model_info
 
-    if args.epochs < 1:
-        raise ValueError(f"--epochs must be >= 1, got {args.epochs}")
-    if args.lr <= 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     if not names:
         raise ValueError("--models needs at least one model name")
@@ -57,8 +58,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             None,
             {
                 "model": name,
-                "optim.epochs": args.epochs,
-                "optim.lr": args.lr,
+                **config_flags_given(args, *TRAINING),
                 "seed": args.seed,
                 "device": args.device,
             },

@@ -133,7 +133,8 @@ def demo_config(args: argparse.Namespace, data: str = "digits") -> dict[str, Any
 def run(args: argparse.Namespace) -> list[dict]:
     import time
 
-    from leanformer.apps.tradeoff import markdown_table, run_sweep, summarise_seeds, sweep_config_from_dict
+    from leanformer.apps.sweep_config import sweep_config_from_dict
+    from leanformer.apps.tradeoff import markdown_table, run_sweep, summarise_seeds
 
     start = time.perf_counter()
     data = choose_data(getattr(args, "data", "auto"))

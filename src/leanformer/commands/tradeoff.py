@@ -6,8 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from leanformer.apps.sweep_config import SweepConfig, load_sweep_config
 from leanformer.commands import given
-from leanformer.commands._options import keep_argument
+from leanformer.commands._options import add_config_flags, config_flags_given
 
 COMMAND = ("tradeoff",)
 HELP = "sweep token-pooling methods x budgets on one model: results.jsonl, a table and a plot"
@@ -23,23 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", help="a named sweep from configs/, e.g. tradeoff_digits")
     parser.add_argument("--out", help="output folder (default: runs/<sweep name>)")
     parser.add_argument("--overwrite", action="store_true", help="replace the sweep --out holds")
-    parser.add_argument("--methods", help="comma-separated methods (overrides the config)")
-    parser.add_argument(
-        "--budget",
-        action="append",
-        type=keep_argument,
-        metavar="KEEP",
-        help="a keep value (a ratio such as 0.7, counts 12,8,4, ratios 0.5,0.5, r16 or a preset); "
-        "repeat for several (overrides the config)",
-    )
-    parser.add_argument("--finetune-epochs", type=int, help="fine-tune every variant this many epochs")
-    parser.add_argument("--no-throughput", action="store_true", help="skip the img/s measurement")
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="evaluate and time every variant compiled with torch.compile(fullgraph=True) "
-        "(config: compile: true)",
-    )
+    # --methods, --budget, --finetune-epochs, --no-throughput, --compile: declared on SweepConfig.
+    add_config_flags(parser, schema=SweepConfig, nested=False)
 
 
 def find_preset(name: str) -> Path:
@@ -56,23 +42,12 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     overrides: dict[str, Any] = {
         key: getattr(args, key) for key in ("seed", "device") if given(args, f"--{key}")
     }
-    if args.methods:
-        overrides["methods"] = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if args.budget:
-        # Checked here; the sweep config holds plain values, as its YAML file does, because
-        # they name the points in results.jsonl and sweep.json.
-        overrides["budgets"] = [budget.to_value() for budget in args.budget]
-    if args.finetune_epochs is not None:
-        overrides["finetune_epochs"] = args.finetune_epochs
-    if args.no_throughput:
-        overrides["throughput"] = False
-    if args.compile:
-        overrides["compile"] = True
+    overrides.update(config_flags_given(args, schema=SweepConfig, nested=False))
     return overrides
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.apps.tradeoff import load_sweep_config, markdown_table, run_sweep, summarise_seeds
+    from leanformer.apps.tradeoff import markdown_table, run_sweep, summarise_seeds
 
     path = Path(args.config) if args.config else find_preset(args.preset)
     cfg = load_sweep_config(path, overrides_from_args(args))

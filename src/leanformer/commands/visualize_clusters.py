@@ -88,7 +88,8 @@ def _img_size(args: argparse.Namespace, trained: nn.Module | None) -> int | None
 def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.apps.cluster_maps import grid_of, patch_assignment, to_image, trace_token_sources
     from leanformer.apps.plots import plot_cluster_maps
-    from leanformer.apps.tradeoff import BASELINE, with_method
+    from leanformer.apps.sweep_config import BASELINE
+    from leanformer.apps.tradeoff import with_method
     from leanformer.data.registry import build_dataset
     from leanformer.engine.builders import check_data_fits
     from leanformer.models.pretrained import model_card

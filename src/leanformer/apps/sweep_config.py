@@ -1,0 +1,185 @@
+"""The configuration of a trade-off sweep: its fields (the keys of a sweep YAML file, some
+with a command-line flag), their checks, and the list of points a sweep measures.
+
+Kept apart from :mod:`leanformer.apps.tradeoff`, which runs a sweep, so that the command
+line can declare its flags from these fields without loading the sweep's machinery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from leanformer.config import DataConfig, comma_list, flag, from_dict, read_yaml_mapping
+from leanformer.layers.budgets import parse_keep
+from leanformer.layers.token_pooling import METHODS, list_methods, pooling_method
+from leanformer.models.pretrained import model_card
+
+
+def keep_value(text: str) -> Any:
+    """``--budget``: checked by :func:`parse_keep`, kept as the plain value a sweep file
+    would hold, because it names the point in ``results.jsonl`` and ``sweep.json``."""
+    return parse_keep(text).to_value()
+
+
+BASELINE = "none"
+# ToMe's own budget form: `merge` removing a constant r tokens per block ({"r": r}), drawn as
+# its own line so it can be read against every method at the same GFLOPs.
+TOME = "tome"
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """One trade-off sweep (YAML keys are these field names)."""
+
+    name: str = "tradeoff"
+    # Exactly one base model source:
+    checkpoint: str | None = None  # a leanformer checkpoint (.safetensors)
+    model: str | None = None  # a registry model: trained first with `train`, else its shipped weights
+    pretrained: bool = False  # model: load the weights shipped with leanformer (no training)
+    timm_model: str | None = None  # a timm ViT/DeiT name
+    timm_options: dict[str, Any] = field(default_factory=dict)  # kwargs for timm.create_model
+    train: dict[str, Any] = field(default_factory=dict)  # RunConfig sections (optim, train, ...) for `model`
+    data: DataConfig = field(default_factory=DataConfig)
+    # list of method names (default: every method)
+    methods: Any = flag(None, "--methods", "comma-separated methods (overrides the config)", comma_list)
+    # list of keep values: preset names, ratios, per-block lists
+    budgets: Any = flag(
+        None,
+        "--budget",
+        "a keep value (a ratio such as 0.7, counts 12,8,4, ratios 0.5,0.5, r16 or a preset); "
+        "repeat for several (overrides the config)",
+        keep_value,
+        repeat=True,
+        metavar="KEEP",
+    )
+    carry: bool = True
+    pool_options: dict[str, Any] = field(default_factory=dict)  # e.g. {max_iters: 5}
+    tome_r: Any = None  # list of r: `merge` in ToMe's form (r tokens removed per block), as method "tome"
+    seeds: int = 1  # runs of each random method (random, importance) at each budget, seeds 0..n-1
+    finetune_epochs: int = flag(0, "--finetune-epochs", "fine-tune every variant this many epochs")
+    finetune_lr: float = 1e-4
+    throughput: bool = flag(True, "--no-throughput", "skip the img/s measurement", negate=True)
+    throughput_batch_size: int = 32
+    throughput_warmup: int = 2
+    throughput_runs: int = 5
+    compile: bool = flag(
+        False,
+        "--compile",
+        "evaluate and time every variant compiled with torch.compile(fullgraph=True) (config: compile: true)",
+    )
+    seed: int = 0
+    device: str = "cpu"
+
+
+def load_sweep_config(path: str | Path, overrides: dict[str, Any] | None = None) -> SweepConfig:
+    data = read_yaml_mapping(path, "sweep config")
+    return sweep_config_from_dict({**data, **(overrides or {})})
+
+
+def sweep_config_from_dict(data: dict[str, Any]) -> SweepConfig:
+    cfg = from_dict(SweepConfig, data)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: SweepConfig) -> None:
+    """Raise ``ValueError`` for anything the sweep would trip over half-way."""
+
+    # The name is the default output folder, runs/<name>: a path there would write elsewhere.
+    if not cfg.name or cfg.name == "." or any(bad in cfg.name for bad in ("/", "\\", "..")):
+        raise ValueError(
+            f"name: {cfg.name!r} must be a plain folder name (the default output is runs/<name>); "
+            "it may not contain path separators or '..' (use --out for another folder)"
+        )
+    sources = [s for s in (cfg.checkpoint, cfg.model, cfg.timm_model) if s]
+    if len(sources) != 1:
+        raise ValueError("a sweep needs exactly one of checkpoint:, model: or timm_model:")
+    if cfg.train and not cfg.model:
+        raise ValueError("train: only applies to model: (a checkpoint or timm model is used as it is)")
+    if cfg.pretrained and (not cfg.model or cfg.train):
+        raise ValueError("pretrained: true applies to model: without train: (the shipped weights are used)")
+    if cfg.timm_options and not cfg.timm_model:
+        raise ValueError("timm_options: only applies to timm_model: (a checkpoint or model: ignores it)")
+
+    for m in methods_of(cfg):
+        try:
+            pooling_method(m)
+        except ValueError as err:
+            raise ValueError(f"methods: {err}") from None
+
+    accepted = {o for m in methods_of(cfg) for o in METHODS[m].options}
+    stray = sorted(set(cfg.pool_options) - accepted)
+    if stray:
+        raise ValueError(f"pool_options {', '.join(stray)} are not options of any requested method")
+    for r in tome_rs(cfg):
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"tome_r: must hold integers >= 1 (tokens removed per block), got {r!r}")
+    if not budgets_of(cfg) and any(m != BASELINE for m in methods_of(cfg)):
+        raise ValueError("budgets: is empty; give keep values (preset names, ratios or per-block lists)")
+    if cfg.finetune_epochs < 0 or cfg.throughput_runs < 1 or cfg.throughput_batch_size < 1 or cfg.seeds < 1:
+        raise ValueError(
+            "finetune_epochs must be >= 0, seeds, throughput_runs and throughput_batch_size >= 1"
+        )
+    if cfg.pretrained:
+        model_card(cfg.model)  # type: ignore[arg-type]
+
+
+def methods_of(cfg: SweepConfig) -> list[str]:
+    methods = cfg.methods if cfg.methods is not None else list_methods()
+    if isinstance(methods, str):
+        methods = [m.strip() for m in methods.split(",") if m.strip()]
+    if not isinstance(methods, list) or not all(isinstance(m, str) for m in methods):
+        raise ValueError(f"methods: must be a list of method names, got {methods!r}")
+    # The baseline is always measured once, first: every other point is read against it.
+    return [BASELINE] + [m for m in dict.fromkeys(methods) if m != BASELINE]
+
+
+def method_options(cfg: SweepConfig, method: str) -> dict[str, Any]:
+    """The ``pool_options`` that ``method`` takes (e.g. ``max_iters`` only reaches clustering)."""
+    spec = METHODS["merge" if method == TOME else method]
+    return {k: v for k, v in cfg.pool_options.items() if k in spec.options}
+
+
+def budgets_of(cfg: SweepConfig) -> list[Any]:
+    budgets = cfg.budgets if cfg.budgets is not None else []
+    if not isinstance(budgets, list):
+        budgets = [budgets]
+    return budgets
+
+
+def tome_rs(cfg: SweepConfig) -> list[Any]:
+    rs = cfg.tome_r if cfg.tome_r is not None else []
+    return rs if isinstance(rs, list) else [rs]
+
+
+def budget_label(keep: Any) -> str:
+    """The name of a sweep budget in results and tables: a string as written in the sweep
+    file (a preset name, ``r16``), else :meth:`KeepSchedule.label` (``r0.7``, ``64-48-32``,
+    ``16/block``)."""
+    if isinstance(keep, str):
+        return keep
+    try:
+        return parse_keep(keep).label()
+    except ValueError:
+        return str(keep)  # a budget the model refuses is named in its own error message
+
+
+# Methods whose result depends on a random draw: measured once per seed.
+SEEDED_METHODS = ("random", "importance")
+
+
+def sweep_points(cfg: SweepConfig) -> list[tuple[str, Any, int | None]]:
+    """``(method, keep, seed)`` for every point, ``tome_r`` last (as method ``tome``); the
+    baseline has ``keep=None``; ``seed`` is None for deterministic methods and
+    ``0 .. seeds-1`` for the random ones."""
+    points: list[tuple[str, Any, int | None]] = []
+    for method in methods_of(cfg):
+        if method == BASELINE:
+            points.append((method, None, None))
+            continue
+        seeds: list[int | None] = list(range(cfg.seeds)) if method in SEEDED_METHODS else [None]
+        points.extend((method, keep, seed) for keep in budgets_of(cfg) for seed in seeds)
+    points.extend((TOME, {"r": r}, None) for r in tome_rs(cfg))
+    return points
