@@ -57,8 +57,11 @@ from leanformer.progress import progress_bar
 # --- base model -------------------------------------------------------------------------
 
 
-def load_base_model(cfg: SweepConfig, *, out_dir: Path | None = None, progress: bool = True) -> nn.Module:
-    """The model every variant is copied from (trained, loaded or built)."""
+def load_base_model(
+    cfg: SweepConfig, *, out_dir: Path | None = None, progress: bool = True, resume: bool = False
+) -> nn.Module:
+    """The model every variant is copied from (trained, loaded or built). ``resume``
+    continues (or reloads) the base model's training run in ``out_dir/base``."""
     if cfg.checkpoint:
         return load_model(cfg.checkpoint, device=cfg.device)
     if cfg.timm_model:
@@ -66,7 +69,8 @@ def load_base_model(cfg: SweepConfig, *, out_dir: Path | None = None, progress: 
     assert cfg.model is not None
     run_cfg = base_run_config(cfg)
     if cfg.train:
-        result = fit(run_cfg, out_dir=None if out_dir is None else out_dir / "base", progress=progress)
+        base_dir = None if out_dir is None else out_dir / "base"
+        result = fit(run_cfg, out_dir=base_dir, progress=progress, resume=resume and base_dir is not None)
         return result.model
     return untrained_base_model(cfg, pretrained=cfg.pretrained).to(cfg.device)
 
@@ -209,6 +213,44 @@ def _check_sweep_folder(out: Path, *, overwrite: bool) -> None:
         )
 
 
+def point_key(method: str, keep: Any, seed: int | None) -> tuple[str, str, int | None]:
+    """What names a point in ``results.jsonl``: its method, budget label and seed."""
+    return method, budget_label(keep) if keep is not None else "all", seed
+
+
+def _config_json(cfg: SweepConfig) -> dict[str, Any]:
+    return json.loads(json.dumps(asdict(cfg), default=str))
+
+
+def measured_rows(out: Path, cfg: SweepConfig) -> list[dict[str, Any]]:
+    """The rows an interrupted sweep in ``out`` measured, for ``--resume``.
+
+    ``out/sweep.json`` must hold ``cfg`` exactly: points measured under another
+    configuration would not belong in one table. A last line cut short by the
+    interruption is dropped (that point runs again)."""
+    stored_path = out / "sweep.json"
+    if not stored_path.is_file():
+        raise ValueError(f"{out} holds no sweep to resume (no sweep.json); run it without --resume")
+    stored, current = json.loads(stored_path.read_text()), _config_json(cfg)
+    changed = sorted(k for k in stored.keys() | current.keys() if stored.get(k) != current.get(k))
+    if changed:
+        raise ValueError(
+            f"{out} holds a sweep with other settings ({', '.join(changed)}); resume it with the "
+            "same sweep file and flags, or replace it with --overwrite"
+        )
+    path = out / "results.jsonl"
+    lines = path.read_text().splitlines(keepends=True) if path.is_file() else []
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines) or line.endswith("\n"):
+                raise ValueError(f"{path}, line {number}: not a result row; the file is damaged") from None
+            path.write_text("".join(lines[:-1]))  # the write the interruption cut short
+    return rows
+
+
 def _clear_sweep_folder(out: Path) -> None:
     for name in SWEEP_FILES[:-1]:
         (out / name).unlink(missing_ok=True)
@@ -249,17 +291,26 @@ def run_sweep(
     progress: bool = True,
     base: nn.Module | None = None,
     overwrite: bool = False,
+    resume: bool = False,
 ) -> SweepResult:
     """Evaluate every ``(method, budget)`` point; write results.jsonl, table.md, tradeoff.png.
 
     ``base`` skips loading/training the base model (tests, or a model already in memory).
-    ``out_dir`` must not hold a sweep's results already unless ``overwrite`` is set.
+    ``out_dir`` must not hold a sweep's results already unless ``overwrite`` (replace
+    them) or ``resume`` (keep the points measured there and run the rest) is set. Every
+    point is seeded on its own, so a resumed sweep measures what an uninterrupted one
+    would.
     """
+    if resume and (overwrite or out_dir is None):
+        raise ValueError("resume continues the sweep in its output folder: give the folder, not overwrite")
     validate(cfg)
     if base is None and cfg.model is not None:
         check_poolable(model_info(cfg.model).cls)  # before training it
     out = Path(out_dir) if out_dir is not None else None
-    if out is not None:
+    done: list[dict[str, Any]] = []
+    if out is not None and resume:
+        done = measured_rows(out, cfg)
+    elif out is not None:
         _check_sweep_folder(out, overwrite=overwrite)
     trains_base = base is None and cfg.model is not None and bool(cfg.train)
     if base is None and not trains_base:
@@ -267,11 +318,13 @@ def run_sweep(
     # Every point is built once before anything is written or trained: a budget that does
     # not fit the model fails now, not after the base model has trained.
     check_points(cfg, base if base is not None else untrained_base_model(cfg))
-    if out is not None:
+    if out is not None and not resume:
         _clear_sweep_folder(out)
         out.mkdir(parents=True, exist_ok=True)
+        # Written first, so that an interrupted sweep can be resumed (and checked) later.
+        (out / "sweep.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
     if base is None:
-        base = load_base_model(cfg, out_dir=out, progress=progress)
+        base = load_base_model(cfg, out_dir=out, progress=progress, resume=resume)
     base = base.to(cfg.device).eval()
     test_set = build_split(cfg.data, "test")
     check_timm_fits_data(base, test_set.info)  # type: ignore[attr-defined]
@@ -282,10 +335,12 @@ def run_sweep(
         else None
     )
     batch = timing_batch(test_loader, cfg.throughput_batch_size, cfg.device)
-    rows: list[dict[str, Any]] = []
-    jsonl = (out / "results.jsonl").open("w") if out is not None else None
+    measured = {point_key(r["method"], r["keep"], r["seed"]): r for r in done}
+    points = sweep_points(cfg)
+    todo = [p for p in points if point_key(*p) not in measured]
+    jsonl = (out / "results.jsonl").open("a" if resume else "w") if out is not None else None
     try:
-        bar = progress_bar(sweep_points(cfg), desc=f"sweep {cfg.name}", show=progress)
+        bar = progress_bar(todo, desc=f"sweep {cfg.name}", show=progress)
         for method, keep, seed in bar:
             bar.set_postfix_str(f"{method} {budget_label(keep) if keep is not None else ''}".strip())
             torch.manual_seed(cfg.seed)
@@ -308,17 +363,18 @@ def run_sweep(
                 **measure_point(model, loader=test_loader, batch=batch, cfg=cfg),
                 "threads": torch.get_num_threads(),
             }
-            rows.append(row)
+            measured[point_key(method, keep, seed)] = row
             if jsonl is not None:
                 jsonl.write(json.dumps(row) + "\n")
                 jsonl.flush()
     finally:
         if jsonl is not None:
             jsonl.close()
+    # In sweep order, whichever run measured each point.
+    rows = [measured[point_key(*p)] for p in points if point_key(*p) in measured]
     add_relative(rows)
     if out is not None:
         (out / "table.md").write_text(markdown_table(summarise_seeds(rows), title=cfg.name) + "\n")
-        (out / "sweep.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
         plot_tradeoff(summarise_seeds(rows), out / "tradeoff.png", title=cfg.name)
     return SweepResult(rows=rows, out_dir=out, base=base)
 

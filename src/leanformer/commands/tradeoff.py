@@ -23,7 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--config", help="sweep YAML file (see docs/token-pooling.md, 'Trade-off harness')")
     src.add_argument("--preset", help="a named sweep from configs/, e.g. tradeoff_digits")
     parser.add_argument("--out", help="output folder (default: runs/<sweep name>)")
-    parser.add_argument("--overwrite", action="store_true", help="replace the sweep --out holds")
+    kept = parser.add_mutually_exclusive_group()
+    kept.add_argument("--overwrite", action="store_true", help="replace the sweep --out holds")
+    kept.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted sweep --out holds: keep its measured points, run the rest "
+        "(same sweep file and flags)",
+    )
     # --methods, --budget, --finetune-epochs, --no-throughput, --compile: declared on SweepConfig.
     add_config_flags(parser, schema=SweepConfig, nested=False)
 
@@ -54,7 +61,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.out is not None and not args.out.strip():
         raise ValueError("--out is empty; give the output folder (or leave --out out for runs/<sweep name>)")
     out = Path(args.out) if args.out is not None else Path("runs") / cfg.name
-    result = run_sweep(cfg, out_dir=out, progress=not (args.quiet or args.json), overwrite=args.overwrite)
+    result = run_sweep(
+        cfg, out_dir=out, progress=not (args.quiet or args.json), overwrite=args.overwrite, resume=args.resume
+    )
     if not args.json:
         print(markdown_table(summarise_seeds(result.rows), title=cfg.name))
         print(f"\nwrote {out / 'results.jsonl'}, {out / 'table.md'}, {out / 'tradeoff.png'}")

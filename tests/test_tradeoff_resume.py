@@ -1,0 +1,93 @@
+"""`tradeoff --resume`: an interrupted sweep continues where it stopped and ends with the
+rows an uninterrupted sweep would have written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from leanformer.apps import tradeoff
+from leanformer.apps.sweep_config import SweepConfig, sweep_config_from_dict
+from leanformer.apps.tradeoff import run_sweep
+from leanformer.cli import main
+from leanformer.engine.builders import build_model, build_split
+
+DATA = {"name": "digits", "img_size": 16, "limit_test": 48, "eval_batch_size": 48, "batch_size": 16}
+# Fine-tuned and seeded points: both must not depend on which run measured them.
+SWEEP = {
+    "model": "deit_test",
+    "data": {**DATA, "limit_train": 32},
+    "methods": ["merge", "random"],
+    "budgets": [0.5, 0.75],
+    "seeds": 2,
+    "finetune_epochs": 1,
+    "finetune_lr": 1e-2,
+    "throughput": False,
+}
+MEASURED = ("method", "keep", "seed", "finetuned", "top1", "gflops", "tokens_out")
+
+
+def _base() -> torch.nn.Module:
+    torch.manual_seed(0)
+    info = build_split(SweepConfig().data, "test").info  # type: ignore[attr-defined]
+    return build_model("deit_test", {"img_size": 16}, info)[0].eval()
+
+
+def _measured(rows: list[dict]) -> list[tuple]:
+    return [tuple(r[k] for k in MEASURED) for r in rows]
+
+
+def test_a_resumed_sweep_measures_only_the_missing_points_and_matches_an_uninterrupted_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = sweep_config_from_dict(SWEEP)
+    whole = run_sweep(cfg, out_dir=tmp_path / "whole", progress=False, base=_base())
+    assert len(whole.rows) == 1 + 2 + 2 * 2  # baseline, merge x 2 budgets, random x 2 budgets x 2 seeds
+
+    # An interruption after three points, in the middle of writing the fourth.
+    cut = tmp_path / "cut"
+    run_sweep(cfg, out_dir=cut, progress=False, base=_base())
+    lines = (cut / "results.jsonl").read_text().splitlines(keepends=True)
+    (cut / "results.jsonl").write_text("".join(lines[:3]) + lines[3][:20])
+    (cut / "table.md").unlink()
+
+    calls = []
+    measure = tradeoff.measure_point
+    monkeypatch.setattr(tradeoff, "measure_point", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    resumed = run_sweep(cfg, out_dir=cut, progress=False, base=_base(), resume=True)
+    assert len(calls) == len(whole.rows) - 3
+    assert _measured(resumed.rows) == _measured(whole.rows)
+    on_disk = [json.loads(line) for line in (cut / "results.jsonl").read_text().splitlines()]
+    assert sorted(_measured(on_disk)) == sorted(_measured(whole.rows))
+    assert (cut / "table.md").read_text() == (tmp_path / "whole" / "table.md").read_text()
+
+    # Resuming a finished sweep measures nothing.
+    calls.clear()
+    again = run_sweep(cfg, out_dir=cut, progress=False, base=_base(), resume=True)
+    assert calls == [] and _measured(again.rows) == _measured(whole.rows)
+
+
+def test_resume_refuses_what_it_cannot_continue(tmp_path: Path) -> None:
+    cfg = sweep_config_from_dict({**SWEEP, "finetune_epochs": 0, "methods": ["merge"], "budgets": [0.5]})
+    with pytest.raises(ValueError, match="holds no sweep to resume"):
+        run_sweep(cfg, out_dir=tmp_path, progress=False, base=_base(), resume=True)
+    with pytest.raises(ValueError, match="resume continues the sweep"):
+        run_sweep(cfg, out_dir=tmp_path, progress=False, base=_base(), resume=True, overwrite=True)
+    run_sweep(cfg, out_dir=tmp_path, progress=False, base=_base())
+    other = sweep_config_from_dict({**SWEEP, "finetune_epochs": 0, "methods": ["merge"], "budgets": [0.4]})
+    with pytest.raises(ValueError, match=r"holds a sweep with other settings \(budgets\)"):
+        run_sweep(other, out_dir=tmp_path, progress=False, base=_base(), resume=True)
+    lines = (tmp_path / "results.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "results.jsonl").write_text("not json\n" + "".join(lines[1:]))
+    with pytest.raises(ValueError, match="line 1: not a result row; the file is damaged"):
+        run_sweep(cfg, out_dir=tmp_path, progress=False, base=_base(), resume=True)
+
+
+def test_resume_and_overwrite_together_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["tradeoff", "--preset", "tradeoff_digits", "--resume", "--overwrite"])
+    assert exit_.value.code == 2
+    assert "argument --overwrite: not allowed with argument --resume" in capsys.readouterr().err
