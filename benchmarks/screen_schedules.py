@@ -1,0 +1,91 @@
+"""Per-block keep schedules at equal GFLOPs, on the Fashion-MNIST validation split.
+
+A constant per-block keep ratio ``rho`` shrinks the tokens geometrically: at ``rho = 0.5``
+the last of ``deit_fashion``'s six blocks sees 3 of 196 patch tokens. This script tilts
+the schedule, ``rho_i = rho ** (1 + tilt * (2 i / (depth - 1) - 1))`` for block ``i``
+(``tilt < 0``: remove more in the first blocks and less in the last ones; ``tilt = 0``:
+the constant ratio), chooses ``rho`` by bisection so that every schedule costs the same
+GFLOPs (``--targets``, fractions of the unpooled model's), and measures top-1 without
+fine-tuning on the first ``--images`` images of the validation split (the last 10,000
+training images, which the shipped model never trained on). Needs Fashion-MNIST.
+
+    python benchmarks/screen_schedules.py --targets 0.5,0.36,0.24 --tilts=-1.2,-0.6,0,0.6 \\
+        --methods merge,stepmerge --out runs/schedules.jsonl
+
+Prints one JSON line per point (and appends it to ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from leanformer.apps.tradeoff import with_method
+from leanformer.bench.flops import count_gflops
+from leanformer.config import DataConfig
+from leanformer.engine.builders import build_split
+from leanformer.engine.evaluate import evaluate
+from leanformer.models.registry import create_model
+
+
+def tilted(rho: float, tilt: float, depth: int) -> list[float]:
+    """Per-block keep ratios around ``rho`` (capped at 1: a block cannot add tokens)."""
+    return [min(1.0, math.exp(math.log(rho) * (1 + tilt * (2 * i / (depth - 1) - 1)))) for i in range(depth)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default="0.5,0.36,0.24", help="GFLOPs fractions of the unpooled model")
+    parser.add_argument("--tilts", default="-1.2,-0.9,-0.6,-0.3,0,0.3,0.6,0.9")
+    parser.add_argument("--methods", default="merge,stepmerge")
+    parser.add_argument("--images", type=int, default=2000, help="validation images (from the first)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="append the JSON lines here too")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    base = create_model("deit_fashion", pretrained=True).eval()
+    depth = len(base.blocks)
+    data = DataConfig(name="fashion_mnist", eval_batch_size=500, options={"validation": 10000})
+    val = build_split(data, "val")
+    loader = DataLoader(Subset(val, range(min(args.images, len(val)))), batch_size=500)
+    image = (torch.zeros(1, 1, 28, 28),)
+    full = count_gflops(base, image)
+
+    def variant(method: str, keep: list[float]) -> torch.nn.Module:
+        return with_method(base, method, keep, carry=True, options={})
+
+    def cost(method: str, keep: list[float]) -> float:
+        return count_gflops(variant(method, keep), image) / full
+
+    print(json.dumps({"method": "none", "top1": evaluate(base, loader)["top1"], "gflops": full}), flush=True)
+    for target in (float(t) for t in args.targets.split(",")):
+        for method in args.methods.split(","):
+            for tilt in (float(t) for t in args.tilts.split(",")):
+                low, high = 0.01, 1.0  # cost grows with rho
+                for _ in range(30):
+                    mid = (low + high) / 2
+                    low, high = (mid, high) if cost(method, tilted(mid, tilt, depth)) < target else (low, mid)
+                keep = [round(r, 4) for r in tilted((low + high) / 2, tilt, depth)]
+                row = {
+                    "target": target,
+                    "method": method,
+                    "tilt": tilt,
+                    "keep": keep,
+                    "gflops_fraction": round(cost(method, keep), 4),
+                    "top1": evaluate(variant(method, keep), loader)["top1"],
+                    "images": len(loader.dataset),  # type: ignore[arg-type]
+                }
+                print(json.dumps(row), flush=True)
+                if args.out is not None:
+                    with args.out.open("a") as handle:
+                        handle.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
