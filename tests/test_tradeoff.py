@@ -17,6 +17,7 @@ from leanformer.apps.cluster_maps import patch_assignment, trace_token_sources
 from leanformer.apps.sweep_config import (
     SweepConfig,
     budget_label,
+    load_sweep_config,
     method_options,
     sweep_config_from_dict,
     sweep_points,
@@ -369,3 +370,8 @@ def test_fashion_preset_budgets_land_on_their_gflops() -> None:
     for r, target in FASHION_TOME_TARGETS.items():
         model = create_model(preset["model"], pool="merge", keep={"r": r}, carry=True)
         assert count_gflops(model, (x,)) / base == pytest.approx(target, rel=0.05), r
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("tradeoff_*.yaml")), ids=lambda p: p.stem)
+def test_every_sweep_preset_is_valid_and_named_after_its_file(path: Path) -> None:
+    assert load_sweep_config(path).name == path.stem
