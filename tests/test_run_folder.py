@@ -21,7 +21,8 @@ from leanformer.config import load_config
 from leanformer.engine import checkpoint as checkpoint_module
 from leanformer.engine.checkpoint import load_checkpoint
 from leanformer.engine.run_folder import RUN_FILES, remove_stale_temporaries
-from leanformer.engine.train import NonFiniteLossError, fit
+from leanformer.engine.train import fit
+from leanformer.errors import NonFiniteLossError
 from test_train import QUICK
 
 Capture = pytest.CaptureFixture[str]

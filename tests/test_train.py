@@ -11,7 +11,8 @@ from torch import nn
 
 from leanformer.config import load_config
 from leanformer.engine.checkpoint import load_checkpoint
-from leanformer.engine.train import NonFiniteLossError, fit
+from leanformer.engine.train import fit
+from leanformer.errors import NonFiniteLossError
 from leanformer.models.registry import register
 
 QUICK = {

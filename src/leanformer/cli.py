@@ -20,7 +20,7 @@ import torch
 from leanformer import __version__
 from leanformer.allocator import configure_allocator
 from leanformer.commands import add_common_arguments, discover
-from leanformer.errors import UnverifiedCheckpointWarning
+from leanformer.errors import NonFiniteLossError, UnverifiedCheckpointWarning
 from leanformer.layers.budgets import KeepSchedule
 
 
@@ -197,9 +197,6 @@ def _run_command(argv: list[str] | None) -> int:
         print(f"leanformer: error: {_first_line(exc)}", file=sys.stderr)
         return 2
     except Exception as exc:
-        # Imported only when a command fails: the training engine is not loaded for --help.
-        from leanformer.engine.train import NonFiniteLossError
-
         if isinstance(exc, NonFiniteLossError):
             print(f"leanformer: {exc}", file=sys.stderr)
             return 1

@@ -1,5 +1,10 @@
-"""Warnings the CLI shows as one line (errors are plain ``ValueError``s with a message)."""
+"""Warnings and errors the CLI reports in one line of their own (other errors are plain
+``ValueError``s with a message)."""
 
 
 class UnverifiedCheckpointWarning(UserWarning):
     """A checkpoint without the SHA-256 of its tensors (written before checksums existed)."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training produced a NaN/inf loss; the last good checkpoint is left untouched."""

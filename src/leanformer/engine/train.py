@@ -57,12 +57,9 @@ from leanformer.engine.run_folder import (
     write_metrics,
 )
 from leanformer.engine.schedule import param_groups, warmup_cosine
+from leanformer.errors import NonFiniteLossError
 from leanformer.models.query_budget import query_budget
 from leanformer.progress import progress_bar
-
-
-class NonFiniteLossError(RuntimeError):
-    """Training produced a NaN/inf loss; the last good checkpoint is left untouched."""
 
 
 @dataclass
