@@ -129,7 +129,7 @@ def validate(cfg: SweepConfig) -> None:
 def methods_of(cfg: SweepConfig) -> list[str]:
     methods = cfg.methods if cfg.methods is not None else list_methods()
     if isinstance(methods, str):
-        methods = [m.strip() for m in methods.split(",") if m.strip()]
+        methods = comma_list(methods)
     if not isinstance(methods, list) or not all(isinstance(m, str) for m in methods):
         raise ValueError(f"methods: must be a list of method names, got {methods!r}")
     # The baseline is always measured once, first: every other point is read against it.

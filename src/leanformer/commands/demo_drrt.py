@@ -47,10 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from leanformer.config import load_config
+    from leanformer.config import comma_list, load_config
     from leanformer.engine.train import fit
 
-    keys = [k.strip() for k in args.models.split(",") if k.strip()]
+    keys = comma_list(args.models)
     unknown = [k for k in keys if k not in RUNS]
     if unknown or not keys:
         raise ValueError(

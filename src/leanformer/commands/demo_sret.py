@@ -40,11 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.bench.report import trained_model_row
-    from leanformer.config import load_config
+    from leanformer.config import comma_list, load_config
     from leanformer.engine.train import fit
     from leanformer.models.registry import model_info
 
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    names = comma_list(args.models)
     if not names:
         raise ValueError("--models needs at least one model name")
     notes = dict(MODELS)
