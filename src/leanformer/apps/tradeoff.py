@@ -322,7 +322,7 @@ def run_sweep(
         _clear_sweep_folder(out)
         out.mkdir(parents=True, exist_ok=True)
         # Written first, so that an interrupted sweep can be resumed (and checked) later.
-        (out / "sweep.json").write_text(json.dumps(asdict(cfg), indent=2, default=str) + "\n")
+        (out / "sweep.json").write_text(json.dumps(_config_json(cfg), indent=2) + "\n")
     if base is None:
         base = load_base_model(cfg, out_dir=out, progress=progress, resume=resume)
     base = base.to(cfg.device).eval()
@@ -335,14 +335,14 @@ def run_sweep(
         else None
     )
     batch = timing_batch(test_loader, cfg.throughput_batch_size, cfg.device)
-    measured = {point_key(r["method"], r["keep"], r["seed"]): r for r in done}
-    points = sweep_points(cfg)
-    todo = [p for p in points if point_key(*p) not in measured]
+    keys = [point_key(*p) for p in sweep_points(cfg)]
+    measured = {(r["method"], r["keep"], r["seed"]): r for r in done}
+    todo = [(p, key) for p, key in zip(sweep_points(cfg), keys) if key not in measured]
     jsonl = (out / "results.jsonl").open("a" if resume else "w") if out is not None else None
     try:
         bar = progress_bar(todo, desc=f"sweep {cfg.name}", show=progress)
-        for method, keep, seed in bar:
-            bar.set_postfix_str(f"{method} {budget_label(keep) if keep is not None else ''}".strip())
+        for (method, keep, seed), key in bar:
+            bar.set_postfix_str(f"{method} {key[1] if keep is not None else ''}".strip())
             torch.manual_seed(cfg.seed)
             options = method_options(cfg, method) | ({} if seed is None else {"seed": seed})
             model = with_method(base, method, keep, carry=cfg.carry, options=options)
@@ -355,7 +355,7 @@ def run_sweep(
             row: dict[str, Any] = {
                 "sweep": cfg.name,
                 "method": method,
-                "keep": budget_label(keep) if keep is not None else "all",
+                "keep": key[1],
                 "keep_value": keep,
                 "carry": cfg.carry if method != BASELINE else False,
                 "finetuned": tuned,
@@ -363,7 +363,7 @@ def run_sweep(
                 **measure_point(model, loader=test_loader, batch=batch, cfg=cfg),
                 "threads": torch.get_num_threads(),
             }
-            measured[point_key(method, keep, seed)] = row
+            measured[key] = row
             if jsonl is not None:
                 jsonl.write(json.dumps(row) + "\n")
                 jsonl.flush()
@@ -371,7 +371,7 @@ def run_sweep(
         if jsonl is not None:
             jsonl.close()
     # In sweep order, whichever run measured each point.
-    rows = [measured[point_key(*p)] for p in points if point_key(*p) in measured]
+    rows = [measured[key] for key in keys if key in measured]
     add_relative(rows)
     if out is not None:
         (out / "table.md").write_text(markdown_table(summarise_seeds(rows), title=cfg.name) + "\n")
