@@ -242,3 +242,24 @@ def test_create_timm_model_errors_and_local_weights(tmp_path) -> None:
     )
     for (name, a), b in zip(source.state_dict().items(), loaded.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("method", ["powerbert", "wkmedoids", "merge"])
+def test_patched_forward_peak_memory_is_not_above_the_unpatched(method: str) -> None:
+    """With the first block already removing tokens, no patched forward may hold more live
+    tensor memory than the host's: attention scores come a block of queries at a time and
+    the attention output is freed before the MLP, as in timm's own block."""
+    from leanformer.bench.memory import cpu_peak_mb
+
+    torch.manual_seed(0)
+    # 256 patch tokens, head size 32: scores in blocks of 128 queries.
+    shape = dict(depth=2, img_size=64, patch_size=4, embed_dim=64, num_heads=2)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, **shape).eval()
+    x = torch.randn(4, 3, 64, 64)
+    with torch.inference_mode():
+        model(x)  # one-time allocations stay out of the figure
+        host = cpu_peak_mb(lambda: model(x))
+        apply_token_pooling(model, keep=[224, 192], method=method, carry=True)
+        model(x)
+        patched = cpu_peak_mb(lambda: model(x))
+    assert patched <= host

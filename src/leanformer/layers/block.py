@@ -66,4 +66,5 @@ class Block(nn.Module):
         kwargs = {} if ragged is None else {"ragged": ragged}
         attn_out, _ = self.attn(self.norm1(x), attn_mask=attn_mask, **kwargs)
         x = x + self.drop_path1(self.ls1(attn_out))
+        del attn_out  # freed before the MLP, whose hidden layer is then the block's peak
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))

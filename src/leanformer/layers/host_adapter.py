@@ -76,6 +76,8 @@ def pooled_block_forward(
     need_received = reducer is not None and bool(getattr(reducer, "needs_received", False))
     attn_out, received = parts.attention(parts.norm1(x), sizes, need_received)
     x = x + _chain(attn_out, parts.attn_post)
+    # Freed before the MLP, as in the host's own block: its peak is the MLP's hidden layer.
+    del attn_out
     if reducer is not None and reduce_at == "attn":
         x, sizes = reduce_tokens(reducer, x, sizes, received, num_prefix)
     x = x + _chain(parts.mlp(parts.norm2(x)), parts.mlp_post)

@@ -8,7 +8,8 @@ the full computation's (the same products and sums, grouped by rows), while the 
 logits shrink from ``[B, H, Nq, Nk]`` to one block.
 
 The default block, ``4 * head_dim`` rows, holds as many numbers as the MLP's hidden
-activations (``[B, N, 4 C]``) of a block with the same token count, so scores add no
+activations (``[B, N, 4 C]``) of a block with the same token count, and outside autograd
+the softmax overwrites the logits, so one block buffer is live at a time: scores add no
 quadratic term to a layer's peak memory; up to that many queries it is one block.
 Time and memory against one whole-matrix block: ``benchmarks/bench_high_resolution.py``
 (figures in ``docs/BENCHMARKS.md``).
@@ -35,6 +36,11 @@ def _rows_of(mask: Tensor | None, start: int, stop: int, num_queries: int) -> Te
     return mask[..., start:stop, :]
 
 
+def _needs_graph(*tensors: Tensor | None) -> bool:
+    """Whether autograd will record the block (then no op may write over its inputs)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _block(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> tuple[Tensor, Tensor]:
     """One block of (pre-scaled) queries: ``(out [B, H, rows, D], received share [B, Nk])``.
 
@@ -47,8 +53,12 @@ def _block(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None, dropout_p: fl
         # buffer less (the matmul's backward does not need its output).
         fits = torch.broadcast_shapes(logits.shape, mask.shape) == logits.shape
         logits = logits.add_(mask) if fits else logits + mask
-    probs = logits.softmax(dim=-1)
-    del logits
+    if _needs_graph(q, k_t, v, mask):
+        probs = logits.softmax(dim=-1)
+        del logits
+    else:
+        # Without autograd the probabilities overwrite the logits: one block buffer, not two.
+        probs = torch.softmax(logits, dim=-1, out=logits)
     # Scores come from the probabilities before dropout: dropout is a training-time
     # perturbation, not part of what the token "received".
     share = probs.sum(dim=(1, 2))
