@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from leanformer.apps.gflops_budget import (
+    check_gflops_budget,
+    gflops_label,
+    is_gflops_budget,
+    parse_gflops_text,
+)
 from leanformer.config import DataConfig, comma_list, flag, from_dict, read_yaml_mapping
 from leanformer.layers.budgets import parse_keep
 from leanformer.layers.token_pooling import METHODS, list_methods, pooling_method
@@ -18,9 +24,11 @@ from leanformer.models.pretrained import model_card
 
 
 def keep_value(text: str) -> Any:
-    """``--budget``: checked by :func:`parse_keep`, kept as the plain value a sweep file
-    would hold, because it names the point in ``results.jsonl`` and ``sweep.json``."""
-    return parse_keep(text).to_value()
+    """``--budget``: checked by :func:`parse_keep` (or read as a GFLOPs budget, ``g0.5``),
+    kept as the plain value a sweep file would hold, because it names the point in
+    ``results.jsonl`` and ``sweep.json``."""
+    gflops = parse_gflops_text(text)
+    return gflops if gflops is not None else parse_keep(text).to_value()
 
 
 BASELINE = "none"
@@ -44,12 +52,14 @@ class SweepConfig:
     data: DataConfig = field(default_factory=DataConfig)
     # list of method names (default: every method)
     methods: Any = flag(None, "--methods", "comma-separated methods (overrides the config)", comma_list)
-    # list of keep values: preset names, ratios, per-block lists
+    # list of keep values: preset names, ratios, per-block lists, or GFLOPs budgets
+    # ({gflops: 0.5, tilt: 0}: see leanformer.apps.gflops_budget)
     budgets: Any = flag(
         None,
         "--budget",
-        "a keep value (a ratio such as 0.7, counts 12,8,4, ratios 0.5,0.5, r16 or a preset); "
-        "repeat for several (overrides the config)",
+        "a keep value (a ratio such as 0.7, counts 12,8,4, ratios 0.5,0.5, r16 or a preset) or a "
+        "GFLOPs fraction (g0.5, or g0.36t-1.2 to tilt the schedule); repeat for several "
+        "(overrides the config)",
         keep_value,
         repeat=True,
         metavar="KEEP",
@@ -116,6 +126,9 @@ def validate(cfg: SweepConfig) -> None:
     for r in tome_rs(cfg):
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ValueError(f"tome_r: must hold integers >= 1 (tokens removed per block), got {r!r}")
+    for keep in budgets_of(cfg):
+        if is_gflops_budget(keep):
+            check_gflops_budget(keep)
     if not budgets_of(cfg) and any(m != BASELINE for m in methods_of(cfg)):
         raise ValueError("budgets: is empty; give keep values (preset names, ratios or per-block lists)")
     if cfg.finetune_epochs < 0 or cfg.throughput_runs < 1 or cfg.throughput_batch_size < 1 or cfg.seeds < 1:
@@ -160,6 +173,8 @@ def budget_label(keep: Any) -> str:
     ``16/block``)."""
     if isinstance(keep, str):
         return keep
+    if is_gflops_budget(keep):
+        return gflops_label(keep)
     try:
         return parse_keep(keep).label()
     except ValueError:

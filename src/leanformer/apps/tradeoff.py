@@ -27,13 +27,16 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
+from leanformer.apps.gflops_budget import gflops_label, is_gflops_budget, solve_keep_ratios
 from leanformer.apps.plots import plot_tradeoff
 from leanformer.apps.sweep_config import (
     BASELINE,
     TOME,
     SweepConfig,
     budget_label,
+    budgets_of,
     method_options,
+    methods_of,
     sweep_points,
     validate,
 )
@@ -50,7 +53,7 @@ from leanformer.engine.evaluate import evaluate
 from leanformer.engine.run_folder import clear_run
 from leanformer.engine.train import fit
 from leanformer.models.registry import model_info
-from leanformer.patch.api import apply_token_pooling, is_patched, remove_token_pooling
+from leanformer.patch.api import adapt, apply_token_pooling, is_patched, remove_token_pooling
 from leanformer.patch.timm import create_timm_model
 from leanformer.progress import progress_bar
 
@@ -269,12 +272,42 @@ def untrained_base_model(cfg: SweepConfig, *, pretrained: bool = False) -> nn.Mo
 
 def check_points(cfg: SweepConfig, base: nn.Module) -> None:
     """Build every ``(method, budget)`` variant of ``base`` once: a budget the model cannot
-    take raises here (naming the point), before any work."""
+    take raises here (naming the point), before any work. GFLOPs budgets are solved (and
+    checked) later, on the base model the sweep measures."""
     for method, keep, _ in sweep_points(cfg):
+        if is_gflops_budget(keep):
+            continue
         try:
             with_method(base, method, keep, carry=cfg.carry, options=method_options(cfg, method))
         except ValueError as err:
             raise ValueError(f"{method} at budget {budget_label(keep)}: {err}") from None
+
+
+def solve_gflops_budgets(
+    cfg: SweepConfig, base: nn.Module, example: Tensor, *, progress: bool = False
+) -> dict[tuple[str, str], list[float]]:
+    """The per-block keep ratios of every ``(method, GFLOPs budget label)`` point, solved on
+    ``base`` with GFLOPs counted on ``example`` as :func:`measure_point` counts them."""
+    budgets = [keep for keep in budgets_of(cfg) if is_gflops_budget(keep)]
+    methods = [m for m in methods_of(cfg) if m != BASELINE]
+    if not budgets or not methods:
+        return {}
+    plain = with_method(base, BASELINE, None, carry=False, options={})
+    full = count_gflops(plain, (example,))
+    depth = len(adapt(plain).blocks)
+    schedules: dict[tuple[str, str], list[float]] = {}
+    pairs = [(method, keep) for method in methods for keep in budgets]
+    for method, keep in progress_bar(pairs, desc="solving GFLOPs budgets", show=progress):
+        options = method_options(cfg, method)
+
+        def cost(ratios: list[float], method: str = method, options: dict[str, Any] = options) -> float:
+            variant = with_method(base, method, ratios, carry=cfg.carry, options=options)
+            return count_gflops(variant, (example,)) / full
+
+        schedules[(method, gflops_label(keep))] = solve_keep_ratios(
+            keep, depth=depth, cost=cost, name=f"{method} on this model"
+        )
+    return schedules
 
 
 @dataclass
@@ -335,6 +368,7 @@ def run_sweep(
         else None
     )
     batch = timing_batch(test_loader, cfg.throughput_batch_size, cfg.device)
+    schedules = solve_gflops_budgets(cfg, base, batch[:4], progress=progress)
     keys = [point_key(*p) for p in sweep_points(cfg)]
     measured = {(r["method"], r["keep"], r["seed"]): r for r in done}
     todo = [(p, key) for p, key in zip(sweep_points(cfg), keys) if key not in measured]
@@ -345,7 +379,10 @@ def run_sweep(
             bar.set_postfix_str(f"{method} {key[1] if keep is not None else ''}".strip())
             torch.manual_seed(cfg.seed)
             options = method_options(cfg, method) | ({} if seed is None else {"seed": seed})
-            model = with_method(base, method, keep, carry=cfg.carry, options=options)
+            schedule = schedules.get((method, key[1])) if is_gflops_budget(keep) else None
+            model = with_method(
+                base, method, keep if schedule is None else schedule, carry=cfg.carry, options=options
+            )
             tuned = False
             if tune_loader is not None and method != BASELINE:
                 finetune(
@@ -360,6 +397,7 @@ def run_sweep(
                 "carry": cfg.carry if method != BASELINE else False,
                 "finetuned": tuned,
                 "seed": seed,
+                **({} if schedule is None else {"keep_schedule": schedule}),
                 **measure_point(model, loader=test_loader, batch=batch, cfg=cfg),
                 "threads": torch.get_num_threads(),
             }

@@ -1,0 +1,119 @@
+"""Sweep budgets given as a GFLOPs fraction: spellings, the tilted schedule, the solver
+against a brute-force scan, and a sweep whose points land on their target."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from leanformer.apps.gflops_budget import (
+    check_gflops_budget,
+    gflops_label,
+    parse_gflops_text,
+    solve_keep_ratios,
+    tilted_ratios,
+)
+from leanformer.apps.sweep_config import budget_label, keep_value, sweep_config_from_dict
+from leanformer.apps.tradeoff import run_sweep, with_method
+from leanformer.bench.flops import count_gflops
+from leanformer.engine.builders import build_model, build_split
+
+DATA = {"name": "digits", "img_size": 16, "limit_test": 48, "eval_batch_size": 48, "batch_size": 16}
+
+
+def test_spellings_and_labels() -> None:
+    assert keep_value("g0.5") == {"gflops": 0.5, "tilt": 0.0}
+    assert keep_value("g0.36t-1.2") == {"gflops": 0.36, "tilt": -1.2}
+    assert keep_value("0.5") == 0.5  # a keep ratio stays a keep ratio
+    assert parse_gflops_text("deit_s_level3") is None
+    assert gflops_label({"gflops": 0.5}) == "g0.5" == budget_label({"gflops": 0.5, "tilt": 0})
+    assert budget_label({"gflops": 0.36, "tilt": -1.2}) == "g0.36t-1.2"
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"),
+    [
+        ({"gflops": 0}, r"in \(0, 1\]"),
+        ({"gflops": 1.5}, r"in \(0, 1\]"),
+        ({"gflops": "half"}, "finite number"),
+        ({"gflops": 0.5, "tilt": math.nan}, "finite number"),
+        ({"gflops": 0.5, "tlt": 1}, "not tlt"),
+    ],
+)
+def test_bad_budgets_are_named(budget: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_gflops_budget(budget)
+    with pytest.raises(ValueError, match=message):
+        sweep_config_from_dict({"model": "deit_test", "methods": ["merge"], "budgets": [budget]})
+
+
+def test_bad_command_line_spellings() -> None:
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        keep_value("g2")
+    with pytest.raises(ValueError, match="expected g<fraction>"):
+        keep_value("g0.5.1")
+
+
+def test_tilted_ratios() -> None:
+    assert tilted_ratios(0.7, 0.0, 4) == [0.7] * 4
+    front = tilted_ratios(0.6, -0.5, 5)
+    assert front == sorted(front)  # tilt < 0: fewer tokens kept early, more late
+    assert math.prod(front) == pytest.approx(0.6**5)  # the geometric mean stays rho
+    assert tilted_ratios(0.9, -3.0, 3)[-1] == 1.0  # capped: a block cannot add tokens
+    assert tilted_ratios(0.4, 2.0, 1) == [0.4]
+
+
+def test_solver_finds_the_largest_ratio_under_the_target() -> None:
+    """Against a scan of every ratio on a fine grid, for a step-shaped cost like a model's."""
+
+    def cost(ratios: list[float]) -> float:
+        return sum(math.floor(r * 50 + 0.5) for r in ratios) / 150
+
+    for target, tilt in [(0.5, 0.0), (0.33, -0.8), (0.8, 0.7)]:
+        ratios = solve_keep_ratios({"gflops": target, "tilt": tilt}, depth=3, cost=cost, name="m")
+        assert cost(ratios) <= target
+        grid = [i / 20000 for i in range(1, 20001)]
+        best = max(c for c in (cost(tilted_ratios(r, tilt, 3)) for r in grid) if c <= target)
+        assert cost(ratios) == best
+    assert solve_keep_ratios({"gflops": 1.0}, depth=3, cost=cost, name="m") == [1.0] * 3
+    with pytest.raises(ValueError, match=r"m cannot reach g0\.001"):
+        solve_keep_ratios({"gflops": 0.001}, depth=3, cost=lambda r: 0.2 + sum(r), name="m")
+
+
+def test_sweep_points_land_on_their_gflops(tmp_path: Path) -> None:
+    cfg = sweep_config_from_dict(
+        {
+            "model": "deit_test",
+            "data": DATA,
+            "methods": ["merge", "kmeans"],
+            "budgets": [{"gflops": 0.6}, {"gflops": 0.6, "tilt": -1.0}],
+            "throughput": False,
+        }
+    )
+    torch.manual_seed(0)
+    info = build_split(cfg.data, "test").info
+    base = build_model("deit_test", {"img_size": 16}, info)[0].eval()
+    result = run_sweep(cfg, out_dir=tmp_path, progress=False, base=base)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["method"], r["keep"]) for r in rows] == [
+        ("none", "all"),
+        ("merge", "g0.6"),
+        ("merge", "g0.6t-1"),
+        ("kmeans", "g0.6"),
+        ("kmeans", "g0.6t-1"),
+    ]
+    full = rows[0]["gflops"]
+    for row in rows[1:]:
+        # Not above the target, and near it (this model has 16 tokens: one is a big step).
+        assert 0.45 * full <= row["gflops"] <= 0.6 * full
+        schedule = row["keep_schedule"]
+        variant = with_method(base, row["method"], schedule, carry=True, options={})
+        example = next(iter(torch.utils.data.DataLoader(build_split(cfg.data, "test"), batch_size=4)))[0]
+        assert count_gflops(variant, (example,)) == pytest.approx(row["gflops"])
+    tilted = rows[2]["keep_schedule"]
+    assert tilted == sorted(tilted) and tilted[0] < tilted[-1]
+    assert result.rows[1]["keep_schedule"] == rows[1]["keep_schedule"]
