@@ -4,8 +4,9 @@ A constant per-block keep ratio ``rho`` shrinks the tokens geometrically: at ``r
 the last of ``deit_fashion``'s six blocks sees 3 of 196 patch tokens. This script tilts
 the schedule, ``rho_i = rho ** (1 + tilt * (2 i / (depth - 1) - 1))`` for block ``i``
 (``tilt < 0``: remove more in the first blocks and less in the last ones; ``tilt = 0``:
-the constant ratio), chooses ``rho`` by bisection so that every schedule costs the same
-GFLOPs (``--targets``, fractions of the unpooled model's), and measures top-1 without
+the constant ratio), solves ``rho`` so that every schedule costs the same GFLOPs
+(``--targets``, fractions of the unpooled model's; the sweep's GFLOPs budgets,
+:mod:`leanformer.apps.gflops_budget`), and measures top-1 without
 fine-tuning on the first ``--images`` images of the validation split (the last 10,000
 training images, which the shipped model never trained on). Needs Fashion-MNIST.
 
@@ -19,23 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from leanformer.apps.gflops_budget import solve_keep_ratios
 from leanformer.apps.tradeoff import with_method
 from leanformer.bench.flops import count_gflops
 from leanformer.config import DataConfig
 from leanformer.engine.builders import build_split
 from leanformer.engine.evaluate import evaluate
 from leanformer.models.registry import create_model
-
-
-def tilted(rho: float, tilt: float, depth: int) -> list[float]:
-    """Per-block keep ratios around ``rho`` (capped at 1: a block cannot add tokens)."""
-    return [min(1.0, math.exp(math.log(rho) * (1 + tilt * (2 * i / (depth - 1) - 1)))) for i in range(depth)]
 
 
 def main() -> None:
@@ -67,16 +63,17 @@ def main() -> None:
     for target in (float(t) for t in args.targets.split(",")):
         for method in args.methods.split(","):
             for tilt in (float(t) for t in args.tilts.split(",")):
-                low, high = 0.01, 1.0  # cost grows with rho
-                for _ in range(30):
-                    mid = (low + high) / 2
-                    low, high = (mid, high) if cost(method, tilted(mid, tilt, depth)) < target else (low, mid)
-                keep = [round(r, 4) for r in tilted((low + high) / 2, tilt, depth)]
+                keep = solve_keep_ratios(
+                    {"gflops": target, "tilt": tilt},
+                    depth=depth,
+                    cost=lambda ratios, method=method: cost(method, ratios),
+                    name=method,
+                )
                 row = {
                     "target": target,
                     "method": method,
                     "tilt": tilt,
-                    "keep": keep,
+                    "keep": [round(r, 4) for r in keep],
                     "gflops_fraction": round(cost(method, keep), 4),
                     "top1": evaluate(variant(method, keep), loader)["top1"],
                     "images": len(loader.dataset),  # type: ignore[arg-type]
