@@ -16,13 +16,16 @@ from typing import Any
 import pytest
 import torch
 
+from leanformer.apps.sweep_config import sweep_config_from_dict
+from leanformer.apps.tradeoff import run_sweep
 from leanformer.cli import main
 from leanformer.config import load_config
 from leanformer.engine import checkpoint as checkpoint_module
 from leanformer.engine.checkpoint import load_checkpoint
+from leanformer.engine.folder_lock import locked_folder
 from leanformer.engine.run_folder import RUN_FILES, remove_stale_temporaries
 from leanformer.engine.train import fit
-from leanformer.errors import NonFiniteLossError
+from leanformer.errors import FolderInUseError, NonFiniteLossError
 from test_train import QUICK
 
 Capture = pytest.CaptureFixture[str]
@@ -255,3 +258,55 @@ def test_kill_9_during_training_then_resume(tmp_path: Path, reference: Path) -> 
     for key, value in weights.items():
         torch.testing.assert_close(final[key], value, msg=key)
     assert _temporaries(run) == []
+
+
+def test_a_folder_in_use_is_refused_and_left_alone(tmp_path: Path, capsys: Capture) -> None:
+    """A second writer on the same --out stops at once, before it reads or writes there."""
+    out = tmp_path / "run"
+    fit(load_config(None, FAST), out_dir=out, progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with locked_folder(out):  # as a training process holds it
+        with pytest.raises(FolderInUseError, match="in use by another leanformer process"):
+            fit(load_config(None, FAST), out_dir=out, progress=False, resume=True)
+        err = _one_line_error([*TRAIN, "--out", str(out), "--overwrite"], capsys)
+        assert "in use by another leanformer process" in err
+        with pytest.raises(FolderInUseError):
+            run_sweep(sweep_config_from_dict({"model": "deit_test", "budgets": [0.5]}), out_dir=out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    fit(load_config(None, FAST), out_dir=out, progress=False, resume=True)  # free again
+
+
+def test_a_killed_holder_frees_its_folder(tmp_path: Path) -> None:
+    """The lock belongs to the process: kill -9 releases it, so a crash never blocks a resume."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from pathlib import Path\n"
+            "from leanformer.engine.folder_lock import locked_folder\n"
+            "with locked_folder(Path(sys.argv[1])):\n"
+            "    print('held', flush=True)\n"
+            "    time.sleep(600)\n",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(FolderInUseError), locked_folder(out):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with locked_folder(out):
+        assert out.is_dir()
+
+
+def test_a_refused_new_folder_leaves_no_trace(tmp_path: Path) -> None:
+    out = tmp_path / "new" / "run"
+    with pytest.raises(ValueError, match="resume continues the run"):
+        fit(load_config(None, FAST), out_dir=out, progress=False, resume=True, overwrite=True)
+    assert not out.exists()

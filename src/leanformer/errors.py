@@ -8,3 +8,7 @@ class UnverifiedCheckpointWarning(UserWarning):
 
 class NonFiniteLossError(RuntimeError):
     """Training produced a NaN/inf loss; the last good checkpoint is left untouched."""
+
+
+class FolderInUseError(ValueError):
+    """Another process holds the output folder (a run or sweep writes there already)."""

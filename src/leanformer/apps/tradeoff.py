@@ -14,6 +14,7 @@ through), so nothing is retrained unless ``finetune_epochs > 0``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -50,6 +51,7 @@ from leanformer.data.loaders import eval_loader, train_loader
 from leanformer.engine.builders import build_model, build_split
 from leanformer.engine.checkpoint import load_model
 from leanformer.engine.evaluate import evaluate
+from leanformer.engine.folder_lock import locked_folder
 from leanformer.engine.run_folder import clear_run
 from leanformer.engine.train import fit
 from leanformer.models.registry import model_info
@@ -337,9 +339,22 @@ def run_sweep(
     if resume and (overwrite or out_dir is None):
         raise ValueError("resume continues the sweep in its output folder: give the folder, not overwrite")
     validate(cfg)
+    out = Path(out_dir) if out_dir is not None else None
+    with locked_folder(out) if out is not None else contextlib.nullcontext():
+        return _run_sweep(cfg, out=out, progress=progress, base=base, overwrite=overwrite, resume=resume)
+
+
+def _run_sweep(
+    cfg: SweepConfig,
+    *,
+    out: Path | None,
+    progress: bool,
+    base: nn.Module | None,
+    overwrite: bool,
+    resume: bool,
+) -> SweepResult:
     if base is None and cfg.model is not None:
         check_poolable(model_info(cfg.model).cls)  # before training it
-    out = Path(out_dir) if out_dir is not None else None
     done: list[dict[str, Any]] = []
     if out is not None and resume:
         done = measured_rows(out, cfg)

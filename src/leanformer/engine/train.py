@@ -10,6 +10,7 @@ only continued (``resume=True``) or replaced (``overwrite=True``), never written
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Collection
@@ -45,6 +46,7 @@ from leanformer.engine.checkpoint import (
 from leanformer.engine.distill import soft_cross_entropy
 from leanformer.engine.distributed import DistInfo, barrier, cleanup_distributed, setup_distributed
 from leanformer.engine.evaluate import call_model, evaluate, to_device
+from leanformer.engine.folder_lock import is_main_process, locked_folder
 from leanformer.engine.query_masking import sample_num_queries
 from leanformer.engine.run_folder import (
     CONFIG_NAME,
@@ -241,6 +243,28 @@ def fit(
     """
     _validate(cfg)
     out = Path(out_dir) if out_dir is not None else None
+    # Only the process that writes the folder holds it (rank 0 of a torchrun launch).
+    holds = out is not None and is_main_process()
+    with locked_folder(out) if holds and out is not None else contextlib.nullcontext():
+        return _fit(
+            cfg,
+            out=out,
+            progress=progress,
+            resume=resume,
+            overwrite=overwrite,
+            stop_after_epochs=stop_after_epochs,
+        )
+
+
+def _fit(
+    cfg: RunConfig,
+    *,
+    out: Path | None,
+    progress: bool,
+    resume: bool,
+    overwrite: bool,
+    stop_after_epochs: int | None,
+) -> FitResult:
     if resume and overwrite:
         raise ValueError("resume continues the run in the folder and overwrite replaces it: give one")
     if resume and out is None:
