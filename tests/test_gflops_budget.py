@@ -32,6 +32,12 @@ def test_spellings_and_labels() -> None:
     assert parse_gflops_text("deit_s_level3") is None
     assert gflops_label({"gflops": 0.5}) == "g0.5" == budget_label({"gflops": 0.5, "tilt": 0})
     assert budget_label({"gflops": 0.36, "tilt": -1.2}) == "g0.36t-1.2"
+    assert keep_value("g1e-1t5e-1") == {"gflops": 0.1, "tilt": 0.5}
+    # Labels read back as the same budget, so two budgets never share a point's name.
+    close = [{"gflops": 0.3333333}, {"gflops": 0.333333}, {"gflops": 0.5, "tilt": -1.2000001}]
+    labels = [budget_label(b) for b in close] + [budget_label({"gflops": 0.5, "tilt": -1.2})]
+    assert len(set(labels)) == len(labels)
+    assert all(keep_value(label) == check_gflops_budget(b) for label, b in zip(labels, close, strict=False))
 
 
 @pytest.mark.parametrize(
@@ -42,6 +48,7 @@ def test_spellings_and_labels() -> None:
         ({"gflops": "half"}, "finite number"),
         ({"gflops": 0.5, "tilt": math.nan}, "finite number"),
         ({"gflops": 0.5, "tlt": 1}, "not tlt"),
+        ({"gflops": 0.5, "tilt": 60}, r"tilt must lie in \[-10.0, 10.0\]"),
     ],
 )
 def test_bad_budgets_are_named(budget: dict, message: str) -> None:
@@ -80,7 +87,9 @@ def test_solver_finds_the_largest_ratio_under_the_target() -> None:
         best = max(c for c in (cost(tilted_ratios(r, tilt, 3)) for r in grid) if c <= target)
         assert cost(ratios) == best
     assert solve_keep_ratios({"gflops": 1.0}, depth=3, cost=cost, name="m") == [1.0] * 3
-    with pytest.raises(ValueError, match=r"m cannot reach g0\.001"):
+    with pytest.raises(
+        ValueError, match=r"m: out of reach, the cheapest schedule of this tilt still costs 0\.2"
+    ):
         solve_keep_ratios({"gflops": 0.001}, depth=3, cost=lambda r: 0.2 + sum(r), name="m")
 
 
@@ -102,9 +111,9 @@ def test_sweep_points_land_on_their_gflops(tmp_path: Path) -> None:
     assert [(r["method"], r["keep"]) for r in rows] == [
         ("none", "all"),
         ("merge", "g0.6"),
-        ("merge", "g0.6t-1"),
+        ("merge", "g0.6t-1.0"),
         ("kmeans", "g0.6"),
-        ("kmeans", "g0.6t-1"),
+        ("kmeans", "g0.6t-1.0"),
     ]
     full = rows[0]["gflops"]
     for row in rows[1:]:

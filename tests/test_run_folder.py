@@ -309,4 +309,16 @@ def test_a_refused_new_folder_leaves_no_trace(tmp_path: Path) -> None:
     out = tmp_path / "new" / "run"
     with pytest.raises(ValueError, match="resume continues the run"):
         fit(load_config(None, FAST), out_dir=out, progress=False, resume=True, overwrite=True)
-    assert not out.exists()
+    assert not out.exists() and not (tmp_path / "new").exists()
+
+
+def test_only_the_writing_process_of_a_launch_locks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from leanformer.engine.folder_lock import is_main_process
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a stray RANK outside torchrun: this process writes
+    assert is_main_process()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert not is_main_process()
+    monkeypatch.setenv("RANK", "0")
+    assert is_main_process()

@@ -8,7 +8,9 @@ cost. A GFLOPs budget is solved per method instead: the per-block keep ratios
     rho_i = rho ** (1 + tilt * (2 i / (depth - 1) - 1))     (block i of depth, capped at 1)
 
 with ``rho`` found by bisection so the patched model costs at most the target fraction of
-the unpooled model's GFLOPs, counted as the sweep counts them (same input). ``tilt = 0``
+the unpooled model's GFLOPs, counted as the sweep counts them (the same images, before any
+fine-tuning). K-Means and K-Medoids stop at their fixed point on CPU, so their count can
+move a little with other images or fine-tuned weights; the row records what was counted. ``tilt = 0``
 is the same ratio in every block; ``tilt < 0`` removes more tokens in the first blocks and
 fewer in the last ones, which kept more accuracy at equal GFLOPs on Fashion-MNIST
 (docs/BENCHMARKS.md, "Per-block schedules at equal GFLOPs").
@@ -28,6 +30,8 @@ GFLOPS = "gflops"
 TILT = "tilt"
 # Bisection steps on rho: 2**-30 is far below the step of one token in one block.
 _STEPS = 30
+# Beyond this the first or last blocks keep every token or none whatever the target.
+MAX_TILT = 10.0
 _TEXT = re.compile(r"g(?P<gflops>[0-9.eE+-]+?)(?:t(?P<tilt>[0-9.eE+-]+))?")
 
 
@@ -46,6 +50,10 @@ def check_gflops_budget(keep: Mapping[str, Any]) -> dict[str, float]:
     for name, value in ((GFLOPS, target), (TILT, tilt)):
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise ValueError(f"GFLOPs budget {dict(keep)!r}: {name} must be a finite number, got {value!r}")
+    if abs(tilt) > MAX_TILT:
+        raise ValueError(
+            f"GFLOPs budget {dict(keep)!r}: tilt must lie in [-{MAX_TILT}, {MAX_TILT}], got {tilt}"
+        )
     if not 0.0 < target <= 1.0:
         raise ValueError(
             f"GFLOPs budget {dict(keep)!r}: gflops is a fraction of the unpooled model's GFLOPs, "
@@ -73,8 +81,10 @@ def parse_gflops_text(text: str) -> dict[str, float] | None:
 def gflops_label(keep: Mapping[str, Any]) -> str:
     """``g0.5``, ``g0.36t-1.2``: the point's name in results and tables."""
     budget = check_gflops_budget(keep)
-    label = f"g{budget[GFLOPS]:g}"
-    return label if budget[TILT] == 0.0 else f"{label}t{budget[TILT]:g}"
+    # repr: the shortest spelling that reads back as the same float, so two budgets never
+    # share a label (the label is the point's key in results and for --resume).
+    label = f"g{budget[GFLOPS]!r}"
+    return label if budget[TILT] == 0.0 else f"{label}t{budget[TILT]!r}"
 
 
 def tilted_ratios(rho: float, tilt: float, depth: int) -> list[float]:
@@ -95,7 +105,7 @@ def solve_keep_ratios(
     """
     budget = check_gflops_budget(keep)
     target, tilt = budget[GFLOPS], budget[TILT]
-    low, high = 0.0, 1.0
+    high = 1.0
     if cost(tilted_ratios(high, tilt, depth)) <= target:
         return tilted_ratios(high, tilt, depth)
     # The cheapest schedule of this tilt (blocks keep no pooled token, or all of them where
@@ -103,8 +113,8 @@ def solve_keep_ratios(
     floor = tilted_ratios(1e-6, tilt, depth)
     if cost(floor) > target:
         raise ValueError(
-            f"{name} cannot reach {gflops_label(keep)}: the cheapest schedule of this tilt still "
-            f"costs {cost(floor):.3f}x the unpooled GFLOPs"
+            f"{name}: out of reach, the cheapest schedule of this tilt still costs "
+            f"{cost(floor):.3f}x the unpooled GFLOPs"
         )
     low = 1e-6
     for _ in range(_STEPS):

@@ -301,14 +301,18 @@ def solve_gflops_budgets(
     pairs = [(method, keep) for method in methods for keep in budgets]
     for method, keep in progress_bar(pairs, desc="solving GFLOPs budgets", show=progress):
         options = method_options(cfg, method)
+        point = f"{method} at budget {gflops_label(keep)}"
 
-        def cost(ratios: list[float], method: str = method, options: dict[str, Any] = options) -> float:
-            variant = with_method(base, method, ratios, carry=cfg.carry, options=options)
+        def cost(
+            ratios: list[float], method: str = method, options: dict[str, Any] = options, point: str = point
+        ) -> float:
+            try:
+                variant = with_method(base, method, ratios, carry=cfg.carry, options=options)
+            except ValueError as err:
+                raise ValueError(f"{point}: {err}") from None
             return count_gflops(variant, (example,)) / full
 
-        schedules[(method, gflops_label(keep))] = solve_keep_ratios(
-            keep, depth=depth, cost=cost, name=f"{method} on this model"
-        )
+        schedules[(method, gflops_label(keep))] = solve_keep_ratios(keep, depth=depth, cost=cost, name=point)
     return schedules
 
 

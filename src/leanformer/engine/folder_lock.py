@@ -25,37 +25,75 @@ except ImportError:  # pragma: no cover - not on Linux or macOS
 
 def is_main_process() -> bool:
     """Whether this process writes the outputs: always, except the non-zero ranks of a
-    ``torchrun`` launch (they read the environment the launcher sets)."""
+    ``torchrun`` launch (read from the environment the launcher sets, as
+    :func:`leanformer.engine.distributed.setup_distributed` does)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return True
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def _missing_parents(folder: Path) -> list[Path]:
+    """``folder`` and those of its ancestors that do not exist yet, deepest first."""
+    missing = []
+    for path in (folder, *folder.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    return missing
+
+
+def _try_lock(folder: Path) -> int | None:
+    """An open handle on ``folder`` holding its lock, or None if another process holds it.
+
+    Retried while the folder is replaced under us: a process that created it may remove it
+    (empty) just after we opened it, and a lock on a removed folder guards nothing.
+    """
+    while True:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = os.open(folder, os.O_RDONLY)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(handle)
+            return None
+        try:
+            same = os.path.samestat(os.fstat(handle), os.stat(folder))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return handle
+        os.close(handle)
 
 
 @contextlib.contextmanager
 def locked_folder(folder: Path, *, flag: str = "--out") -> Iterator[None]:
     """Hold ``folder`` (created if missing) for this process while the block runs.
 
-    Raises :class:`FolderInUseError` at once when another process holds it. A folder this
-    call created is removed again if the block leaves it empty (a run refused before it
-    wrote anything leaves no trace).
+    Raises :class:`FolderInUseError` at once when another process holds it. Folders this
+    call created are removed again if the block leaves them empty (a run refused before
+    it wrote anything leaves no trace).
     """
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{flag} {folder} is a file, but a folder is needed there")
-    created = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
-    handle = os.open(folder, os.O_RDONLY)
+    created = _missing_parents(folder)
+    handle: int | None = None
     try:
-        if fcntl is not None:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+        if fcntl is None:
+            folder.mkdir(parents=True, exist_ok=True)
+        else:
+            handle = _try_lock(folder)
+            if handle is None:
                 raise FolderInUseError(
                     f"{folder} is in use by another leanformer process; wait for it to finish "
                     f"or choose another {flag}"
-                ) from None
-        try:
-            yield
-        finally:
-            if created:
-                with contextlib.suppress(OSError):
-                    folder.rmdir()  # only succeeds while empty
+                )
+        yield
     finally:
-        os.close(handle)  # releases the lock
+        # Only a holder cleans up: a refused caller may have "created" a folder that the
+        # holder made at the same moment, and must not remove it from under it.
+        if handle is not None or fcntl is None:
+            for path in created:
+                with contextlib.suppress(OSError):
+                    path.rmdir()  # only succeeds while empty
+        if handle is not None:
+            os.close(handle)  # releases the lock
