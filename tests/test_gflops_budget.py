@@ -61,8 +61,9 @@ def test_bad_budgets_are_named(budget: dict, message: str) -> None:
 def test_bad_command_line_spellings() -> None:
     with pytest.raises(ValueError, match=r"in \(0, 1\]"):
         keep_value("g2")
-    with pytest.raises(ValueError, match="expected g<fraction>"):
-        keep_value("g0.5.1")
+    for text in ("g0.5.1", "g0.5t", "G0.5"):
+        with pytest.raises(ValueError, match="expected g<fraction>"):
+            keep_value(text)
 
 
 def test_tilted_ratios() -> None:
@@ -93,7 +94,7 @@ def test_solver_finds_the_largest_ratio_under_the_target() -> None:
         solve_keep_ratios({"gflops": 0.001}, depth=3, cost=lambda r: 0.2 + sum(r), name="m")
 
 
-def test_sweep_points_land_on_their_gflops(tmp_path: Path) -> None:
+def test_sweep_points_land_on_their_gflops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = sweep_config_from_dict(
         {
             "model": "deit_test",
@@ -126,3 +127,12 @@ def test_sweep_points_land_on_their_gflops(tmp_path: Path) -> None:
     tilted = rows[2]["keep_schedule"]
     assert tilted == sorted(tilted) and tilted[0] < tilted[-1]
     assert result.rows[1]["keep_schedule"] == rows[1]["keep_schedule"]
+    # A resumed sweep solves only the points it still measures: here none.
+    from leanformer.apps import tradeoff
+
+    def unexpected(*args: object, **kwargs: object) -> list[float]:
+        raise AssertionError("a measured point was solved again")
+
+    monkeypatch.setattr(tradeoff, "solve_keep_ratios", unexpected)
+    again = run_sweep(cfg, out_dir=tmp_path, progress=False, base=base, resume=True)
+    assert [r["top1"] for r in again.rows] == [r["top1"] for r in rows]

@@ -64,8 +64,13 @@ def check_gflops_budget(keep: Mapping[str, Any]) -> dict[str, float]:
 
 def parse_gflops_text(text: str) -> dict[str, float] | None:
     """``"g0.5"`` / ``"g0.36t-1.2"`` -> the budget; None when ``text`` is not of that form."""
-    match = _TEXT.fullmatch(text.strip())
+    text = text.strip()
+    match = _TEXT.fullmatch(text)
     if match is None:
+        # No preset name starts with g followed by a digit or point: such a text was meant
+        # as a GFLOPs budget, and is better told so than shown the list of presets.
+        if re.fullmatch(r"[gG][0-9.].*", text):
+            raise ValueError(f"GFLOPs budget {text!r}: expected g<fraction> or g<fraction>t<tilt>, e.g. g0.5")
         return None
     try:
         keep = {GFLOPS: float(match["gflops"])}

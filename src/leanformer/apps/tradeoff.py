@@ -286,22 +286,30 @@ def check_points(cfg: SweepConfig, base: nn.Module) -> None:
 
 
 def solve_gflops_budgets(
-    cfg: SweepConfig, base: nn.Module, example: Tensor, *, progress: bool = False
+    cfg: SweepConfig,
+    base: nn.Module,
+    example: Tensor,
+    *,
+    points: list[tuple[str, Any]] | None = None,
+    progress: bool = False,
 ) -> dict[tuple[str, str], list[float]]:
-    """The per-block keep ratios of every ``(method, GFLOPs budget label)`` point, solved on
+    """The per-block keep ratios of every ``(method, GFLOPs budget label)`` point (of
+    ``points``, ``(method, keep)`` pairs, when given: those still to measure), solved on
     ``base`` with GFLOPs counted on ``example`` as :func:`measure_point` counts them."""
-    budgets = [keep for keep in budgets_of(cfg) if is_gflops_budget(keep)]
-    methods = [m for m in methods_of(cfg) if m != BASELINE]
-    if not budgets or not methods:
+    if points is None:
+        points = [(m, keep) for m in methods_of(cfg) if m != BASELINE for keep in budgets_of(cfg)]
+    pairs = list(dict.fromkeys((m, gflops_label(k)) for m, k in points if is_gflops_budget(k)))
+    if not pairs:
         return {}
+    budgets = {gflops_label(k): k for k in budgets_of(cfg) if is_gflops_budget(k)}
     plain = with_method(base, BASELINE, None, carry=False, options={})
     full = count_gflops(plain, (example,))
     depth = len(adapt(plain).blocks)
     schedules: dict[tuple[str, str], list[float]] = {}
-    pairs = [(method, keep) for method in methods for keep in budgets]
-    for method, keep in progress_bar(pairs, desc="solving GFLOPs budgets", show=progress):
+    for method, label in progress_bar(pairs, desc="solving GFLOPs budgets", show=progress):
+        keep = budgets[label]
         options = method_options(cfg, method)
-        point = f"{method} at budget {gflops_label(keep)}"
+        point = f"{method} at budget {label}"
 
         def cost(
             ratios: list[float], method: str = method, options: dict[str, Any] = options, point: str = point
@@ -312,7 +320,7 @@ def solve_gflops_budgets(
                 raise ValueError(f"{point}: {err}") from None
             return count_gflops(variant, (example,)) / full
 
-        schedules[(method, gflops_label(keep))] = solve_keep_ratios(keep, depth=depth, cost=cost, name=point)
+        schedules[(method, label)] = solve_keep_ratios(keep, depth=depth, cost=cost, name=point)
     return schedules
 
 
@@ -387,10 +395,12 @@ def _run_sweep(
         else None
     )
     batch = timing_batch(test_loader, cfg.throughput_batch_size, cfg.device)
-    schedules = solve_gflops_budgets(cfg, base, batch[:4], progress=progress)
     keys = [point_key(*p) for p in sweep_points(cfg)]
     measured = {(r["method"], r["keep"], r["seed"]): r for r in done}
     todo = [(p, key) for p, key in zip(sweep_points(cfg), keys) if key not in measured]
+    # GFLOPs budgets are solved for the points still to measure (none left: none solved).
+    pending = [(method, keep) for (method, keep, _), _ in todo if method not in (BASELINE, TOME)]
+    schedules = solve_gflops_budgets(cfg, base, batch[:4], points=pending, progress=progress)
     jsonl = (out / "results.jsonl").open("a" if resume else "w") if out is not None else None
     try:
         bar = progress_bar(todo, desc=f"sweep {cfg.name}", show=progress)
