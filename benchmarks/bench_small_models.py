@@ -11,8 +11,8 @@ medians over runs:
   ``none``, at ``--deit-batches`` (default 1 and 32). Goals: wkmedoids at least 0.95x
   merge's img/s; speedup at least 0.9x the FLOPs ratio at batch 32.
 - ``layer``: one weighted K-Medoids layer (batch 32, N = 197 with the class token,
-  C = 384, K = 98, 5 iterations) as a fraction of one DeiT-S block on the same input.
-  Goal: at most 5% eager, 3% compiled.
+  C = 384, K = 98, 5 iterations; ``--layer-shape 8,785,392`` for the 448-px case) as a
+  fraction of one DeiT-S block on the same input. Goal: at most 5% eager, 3% compiled.
 - ``sret``: ``sret_tiny`` against ``sret_tiny_unsliced`` at 224, batch 32. Goal: speedup
   at least 0.9x their FLOPs ratio.
 - ``fashion``: ``deit_fashion`` (197 tokens, width 64) at the ``tradeoff_fashion`` budgets:
@@ -32,6 +32,7 @@ Prints markdown tables and appends JSON lines to ``--out``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -135,12 +136,18 @@ def bench_deit_small(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def bench_layer(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.manual_seed(0)
-    B, N, C, K = 32, 197, 384, 98
+    B, N, K = args.layer_shape
+    C = 384
+    side = math.isqrt(N - 1)
+    if side * side != N - 1 or not 1 <= K < N - 1:
+        raise SystemExit(
+            f"--layer-shape: N - 1 = {N - 1} patch tokens must be a square grid and 1 <= K < N - 1"
+        )
     block = Block(C, num_heads=6).eval()
     x = torch.randn(B, N, C)
     with torch.inference_mode():
         _, received = block.attn(block.norm1(x), need_received=True)
-        feats, _ = block(x)
+        feats = block(x)
     assert received is not None
     tokens, scores = feats[:, 1:].contiguous(), received[:, 1:].contiguous()
     (layer,) = build_reducers(
@@ -149,7 +156,7 @@ def bench_layer(args: argparse.Namespace) -> list[dict[str, Any]]:
         depth=1,
         num_tokens=N - 1,
         dim=C,
-        grid_size=(14, 14),
+        grid_size=(side, side),
         carry=True,
         max_iters=5,
     )
@@ -176,6 +183,8 @@ def bench_layer(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "name": "wkmedoids layer / DeiT-S block",
                 "mode": mode,
                 "batch": B,
+                "tokens": N,
+                "clusters": K,
                 "threads": torch.get_num_threads(),
                 "layer_ms": seconds[f"layer|{mode}"] * 1e3,
                 "block_ms": seconds[f"block|{mode}"] * 1e3,
@@ -241,6 +250,11 @@ def main() -> None:
         "--budgets", default="0,1,2,3", help="digits part: which of the demo's four budgets (0 = mildest)"
     )
     p.add_argument("--deit-batches", default="1,32")
+    p.add_argument(
+        "--layer-shape",
+        default="32,197,98",
+        help="layer part: batch, tokens N (class token included) and clusters K, e.g. 8,785,392",
+    )
     p.add_argument("--compile", action="store_true", help="also time every candidate compiled")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--warmup", type=int, default=2)
@@ -250,6 +264,9 @@ def main() -> None:
     args.methods = [m for m in args.methods.split(",") if m] if args.methods else None
     args.deit_batches = [int(b) for b in args.deit_batches.split(",")]
     args.budgets = [int(b) for b in args.budgets.split(",")]
+    args.layer_shape = [int(v) for v in args.layer_shape.split(",")]
+    if len(args.layer_shape) != 3:
+        p.error("--layer-shape takes three integers: batch,tokens,clusters")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
