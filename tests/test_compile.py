@@ -106,3 +106,33 @@ def test_reducers_compile_fullgraph_and_match_eager_through_the_timm_patch() -> 
     )
     apply_reducers(model, _reducers(methods, 64, 48, (8, 8)))
     _compare(_peaked(model), torch.randn(3, 3, 64, 64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_queries", [None, 3])
+def test_perceiver_with_a_fixed_query_count_compiles_fullgraph(num_queries: int | None) -> None:
+    """Every query, or the first ``num_queries`` (query masking), is a static shape: one graph."""
+    model = _peaked(create_model("visual_perceiver_test"))
+    torch._dynamo.reset()
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        eager = model(x, num_queries=num_queries)
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x, num_queries=num_queries)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_dynamic_query_selection_cannot_be_one_graph_but_compiles_with_breaks() -> None:
+    """DQS keeps a number of queries per input that depends on the input: no full graph
+    exists by design, and torch.compile without fullgraph still gives the eager result."""
+    model = _peaked(create_model("visual_perceiver_test"))
+    torch._dynamo.reset()
+    x = torch.randn(3, 3, 16, 16)
+    with torch.no_grad():
+        eager = model(x, dqs_threshold=0.5)
+        with pytest.raises(Exception, match="data-dependent"):
+            torch.compile(model, fullgraph=True, backend="aot_eager")(x, dqs_threshold=0.5)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")(x, dqs_threshold=0.5)
+    assert model.last_kept_counts is not None and int(model.last_kept_counts.min()) < 8  # some dropped
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
