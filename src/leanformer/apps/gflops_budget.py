@@ -10,8 +10,8 @@ cost. A GFLOPs budget is solved per method instead: the per-block keep ratios
 with ``rho`` found by bisection so the patched model costs at most the target fraction of
 the unpooled model's GFLOPs, counted as the sweep counts them (the same images, before any
 fine-tuning). K-Means and K-Medoids stop at their fixed point on CPU, so their count can
-move a little with other images or fine-tuned weights; the row records what was counted. ``tilt = 0``
-is the same ratio in every block; ``tilt < 0`` removes more tokens in the first blocks and
+move a little with other images or fine-tuned weights; the row records what was counted.
+``tilt = 0`` is the same ratio in every block; ``tilt < 0`` removes more tokens in the first blocks and
 fewer in the last ones, which kept more accuracy at equal GFLOPs on Fashion-MNIST
 (docs/BENCHMARKS.md, "Per-block schedules at equal GFLOPs").
 
@@ -70,17 +70,19 @@ def parse_gflops_text(text: str) -> dict[str, float] | None:
         # No preset name starts with g followed by a digit or point: such a text was meant
         # as a GFLOPs budget, and is better told so than shown the list of presets.
         if re.fullmatch(r"[gG][0-9.].*", text):
-            raise ValueError(f"GFLOPs budget {text!r}: expected g<fraction> or g<fraction>t<tilt>, e.g. g0.5")
+            raise _misspelled(text)
         return None
     try:
         keep = {GFLOPS: float(match["gflops"])}
         if match["tilt"] is not None:
             keep[TILT] = float(match["tilt"])
     except ValueError:
-        raise ValueError(
-            f"GFLOPs budget {text!r}: expected g<fraction> or g<fraction>t<tilt>, e.g. g0.5"
-        ) from None
+        raise _misspelled(text) from None
     return check_gflops_budget(keep)
+
+
+def _misspelled(text: str) -> ValueError:
+    return ValueError(f"GFLOPs budget {text!r}: expected g<fraction> or g<fraction>t<tilt>, e.g. g0.5")
 
 
 def gflops_label(keep: Mapping[str, Any]) -> str:
@@ -116,10 +118,11 @@ def solve_keep_ratios(
     # The cheapest schedule of this tilt (blocks keep no pooled token, or all of them where
     # the tilt caps the ratio at 1).
     floor = tilted_ratios(1e-6, tilt, depth)
-    if cost(floor) > target:
+    cheapest = cost(floor)
+    if cheapest > target:
         raise ValueError(
             f"{name}: out of reach, the cheapest schedule of this tilt still costs "
-            f"{cost(floor):.3f}x the unpooled GFLOPs"
+            f"{cheapest:.3f}x the unpooled GFLOPs"
         )
     low = 1e-6
     for _ in range(_STEPS):

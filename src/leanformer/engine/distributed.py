@@ -25,12 +25,20 @@ class DistInfo:
         return self.world_size > 1
 
 
-def setup_distributed(device: str) -> DistInfo:
-    """Join the process group if launched by ``torchrun`` (``WORLD_SIZE`` > 1)."""
+def launch_rank() -> tuple[int, int]:
+    """``(rank, world_size)`` as ``torchrun`` sets them; ``(0, 1)`` outside a launch (a stray
+    ``RANK`` without ``WORLD_SIZE`` > 1 is ignored)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
+        return 0, 1
+    return int(os.environ["RANK"]), world_size
+
+
+def setup_distributed(device: str) -> DistInfo:
+    """Join the process group if launched by ``torchrun`` (``WORLD_SIZE`` > 1)."""
+    rank, world_size = launch_rank()
+    if world_size <= 1:
         return DistInfo(device=torch.device(device))
-    rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     target = torch.device(device)
     if target.type == "cuda":

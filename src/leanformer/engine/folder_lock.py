@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from leanformer.engine.distributed import launch_rank
 from leanformer.errors import FolderInUseError
 
 try:
@@ -25,11 +26,8 @@ except ImportError:  # pragma: no cover - not on Linux or macOS
 
 def is_main_process() -> bool:
     """Whether this process writes the outputs: always, except the non-zero ranks of a
-    ``torchrun`` launch (read from the environment the launcher sets, as
-    :func:`leanformer.engine.distributed.setup_distributed` does)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return True
-    return int(os.environ.get("RANK", "0")) == 0
+    ``torchrun`` launch."""
+    return launch_rank()[0] == 0
 
 
 def _missing_parents(folder: Path) -> list[Path]:
