@@ -17,7 +17,6 @@ from leanformer.ops.clustering import (
     kmeans_plan,
     kmedoids_plan,
     pairwise_sq_dists,
-    token_sq_dists,
 )
 
 # ----------------------------------------------------------------- slow references (loops)
@@ -93,11 +92,12 @@ def _data(b: int = 3, n: int = 13, c: int = 5, seed: int = 0):
 # ----------------------------------------------------------------------------- parity
 
 
+@pytest.mark.parametrize("channels", [5, 16])  # N = 13 > C: update from means; else from pairs
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("iters", [0, 1, 5])
 @pytest.mark.parametrize("k", [1, 4, 9])
-def test_kmedoids_matches_reference(weighted: bool, iters: int, k: int) -> None:
-    x, w = _data()
+def test_kmedoids_matches_reference(weighted: bool, iters: int, k: int, channels: int) -> None:
+    x, w = _data(c=channels)
     weights = w if weighted else None
     init = init_centers(w, k, num_tokens=x.shape[1], batch=x.shape[0])
     plan = kmedoids_plan(x, k, weights=weights, init=init, max_iters=iters)
@@ -123,11 +123,13 @@ def test_kmedoids_matches_reference_for_every_k(b: int) -> None:
             assert plan.medoids[e].tolist() == med
 
 
+@pytest.mark.parametrize("channels", [3, 32])
 @pytest.mark.parametrize("k", [2, 18, 23])
-def test_kmedoids_matches_reference_when_many_medoids_move(k: int) -> None:
-    """Random starts move many medoids, so most medoid-to-medoid distances get computed
-    on demand, in several batches (k = 23 of 25 tokens leaves almost only those)."""
-    x, w = _data(b=4, n=25, c=3, seed=5)
+def test_kmedoids_matches_reference_when_many_medoids_move(k: int, channels: int) -> None:
+    """Random starts move many medoids, in several updates (k = 23 of 25 tokens leaves
+    almost only medoids); with N = 25 > C = 3 only the moved medoids' distances are
+    computed, with C = 32 all pairs."""
+    x, w = _data(b=4, n=25, c=channels, seed=5)
     gen = torch.Generator().manual_seed(1)
     init = init_centers(None, k, num_tokens=25, batch=4, mode="random", generator=gen)
     plan = kmedoids_plan(x, k, weights=w, init=init, max_iters=10)
@@ -138,6 +140,84 @@ def test_kmedoids_matches_reference_when_many_medoids_move(k: int) -> None:
         assert plan.medoids is not None and plan.medoids[b].tolist() == med
         moved += len(set(med) - set(init[b].tolist()))
     assert moved > 0
+
+
+def test_duplicate_tokens_and_weightless_clusters_tie_to_the_lowest_index() -> None:
+    """Identical members cost exactly alike, and so do the members of a cluster whose
+    weights are all 0: the reference's tie rule (lowest index) must hold, not rounding."""
+    x, w = _data(b=4, n=30, c=3, seed=8)
+    x[:, 25:30] = x[:, 5:6]  # token 5 six times
+    w[:, 25:30] = w[:, 5:6]
+    w[:, :4] = 0.0
+    gen = torch.Generator().manual_seed(4)
+    for k in (3, 8, 14):
+        init = init_centers(None, k, num_tokens=30, batch=4, mode="random", generator=gen)
+        for weights in (None, w):
+            plan = kmedoids_plan(x, k, weights=weights, init=init, max_iters=10)
+            for b in range(4):
+                wb = [1.0] * 30 if weights is None else w[b].tolist()
+                a, med = ref_kmedoids(x[b], k, wb, init[b].tolist(), 10)
+                assert plan.assign[b].tolist() == a
+                assert plan.medoids is not None and plan.medoids[b].tolist() == med
+
+
+def test_a_cluster_of_weight_zero_takes_its_lowest_index_as_medoid() -> None:
+    """Every member costs 0; a member nearer the others (token 2) must not win on that."""
+    x = torch.tensor([[[10.3, 0.0], [10.1, 0.0], [10.0, 0.0], [0.0, 0.0], [0.2, 0.0], [-0.1, 0.0]]])
+    w = torch.tensor([[0.0, 0.0, 0.0, 1.0, 1.0, 1.0]])
+    plan = kmedoids_plan(x, 2, weights=w, init=torch.tensor([[2, 4]]))
+    assert plan.medoids is not None and plan.medoids.tolist() == [[0, 3]]
+    assert ref_kmedoids(x[0], 2, w[0].tolist(), [2, 4], 5)[1] == [0, 3]
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_distances_for_moved_medoids_only_give_the_plan_of_all_pairs(weighted: bool, monkeypatch) -> None:
+    """Eager CPU computes distances from the medoids that moved; compiled and accelerator
+    runs pick rows of all N x N distances. Same plans, on data where many medoids move."""
+    from leanformer.ops import clustering
+
+    x, w = _data(b=5, n=60, c=3, seed=9)
+    weights = w if weighted else None
+    gen = torch.Generator().manual_seed(3)
+    plans = {}
+    for k in (4, 20, 45):
+        init = init_centers(None, k, num_tokens=60, batch=5, mode="random", generator=gen)
+        plans[k] = (init, kmedoids_plan(x, k, weights=weights, init=init, max_iters=8))
+        start = kmedoids_plan(x, k, weights=weights, init=init, max_iters=0)
+        assert not torch.equal(plans[k][1].medoids, start.medoids)
+    monkeypatch.setattr(clustering, "_reads_back", lambda t: False)
+    for k, (init, moved_only) in plans.items():
+        every_pair = kmedoids_plan(x, k, weights=weights, init=init, max_iters=8)
+        assert torch.equal(every_pair.assign, moved_only.assign)
+        assert torch.equal(every_pair.medoids, moved_only.medoids)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_medoid_updates_from_means_and_from_pairs_agree(weighted: bool) -> None:
+    """The two forms of eq. 12 pick the same medoids, with N > C and with N < C."""
+    from leanformer.ops.clustering import _medoids_from_means, _medoids_from_pairs, token_sq_dists
+
+    for n, c in ((50, 3), (20, 40)):
+        x, w = _data(b=6, n=n, c=c, seed=c)
+        w = w if weighted else torch.ones_like(w)
+        xc = x - x.mean(dim=1, keepdim=True)
+        for k in (2, 7, n // 2, n - 1):
+            assign = torch.randint(0, k, (6, n), generator=torch.Generator().manual_seed(k))
+            assign[:, :k] = torch.arange(k)  # no empty cluster
+            from_means = _medoids_from_means(xc, (xc * xc).sum(-1), w, assign, k)
+            assert torch.equal(from_means, _medoids_from_pairs(token_sq_dists(xc), assign, w, k))
+
+
+def test_moved_rows_equal_rows_computed_afresh() -> None:
+    from leanformer.ops.clustering import _medoid_rows, _moved_rows
+
+    x, _ = _data(b=3, n=20, c=4, seed=2)
+    sq = (x * x).sum(-1)
+    old = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
+    new = torch.tensor([[0, 15, 2, 3], [4, 5, 6, 7], [12, 13, 14, 19]])  # 1, 0 and 4 moved
+    rows = _moved_rows(_medoid_rows(x, sq, old, None), x, sq, old, new)
+    torch.testing.assert_close(rows, _medoid_rows(x, sq, new, None), rtol=0, atol=1e-12)
+    torch.testing.assert_close(rows, torch.cdist(x.gather(1, new[..., None].expand(3, 4, 4)), x) ** 2)
 
 
 @pytest.mark.parametrize("weighted", [False, True])
@@ -348,29 +428,30 @@ def test_bad_inputs_raise() -> None:
         init_centers(None, 2, num_tokens=6, batch=2)
 
 
-def test_assignment_ties_go_to_the_first_medoid_in_medoid_order() -> None:
-    from leanformer.ops.clustering import _assign_to_medoids
+def _assign(x: torch.Tensor, medoids: torch.Tensor) -> torch.Tensor:
+    from leanformer.ops.clustering import _assign_to_medoids, _medoid_rows
 
+    return _assign_to_medoids(_medoid_rows(x, (x * x).sum(-1), medoids, None), medoids)
+
+
+def test_assignment_ties_go_to_the_first_medoid_in_medoid_order() -> None:
     # Token 0 is exactly as far from token 1 as from token 2.
     x = torch.tensor([[[0.0, 0.0], [1.0, 0.0], [-1.0, 0.0]]])
-    d = token_sq_dists(x)
-    assert torch.equal(_assign_to_medoids(d, torch.tensor([[2, 1]])), torch.tensor([[0, 1, 0]]))
-    assert torch.equal(_assign_to_medoids(d, torch.tensor([[1, 2]])), torch.tensor([[0, 0, 1]]))
+    assert torch.equal(_assign(x, torch.tensor([[2, 1]])), torch.tensor([[0, 1, 0]]))
+    assert torch.equal(_assign(x, torch.tensor([[1, 2]])), torch.tensor([[0, 0, 1]]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_assignment_equals_argmin_over_medoid_columns(dtype: torch.dtype) -> None:
     """Against plain argmin (first minimum), with K > 256 so bfloat16 could not count the medoids."""
-    from leanformer.ops.clustering import _assign_to_medoids
-
     g = torch.Generator().manual_seed(3)
     B, N, K = 2, 600, 300
     x = torch.randn(B, N, 4, generator=g).round().to(dtype)  # integer grid: many exact ties
     medoids = torch.rand(B, N, generator=g).topk(K, dim=1).indices
-    d = token_sq_dists(x)
+    d = pairwise_sq_dists(x)
     expected = d.gather(2, medoids[:, None, :].expand(B, N, K)).argmin(dim=2)
     expected.scatter_(1, medoids, torch.arange(K).expand(B, K))
-    assert torch.equal(_assign_to_medoids(d, medoids), expected)
+    assert torch.equal(_assign(x, medoids), expected)
 
 
 def test_kmedoids_with_float16_tokens_whose_norm_overflows() -> None:
