@@ -172,8 +172,8 @@ def test_a_cluster_of_weight_zero_takes_its_lowest_index_as_medoid() -> None:
 
 @pytest.mark.parametrize("weighted", [False, True])
 def test_distances_for_moved_medoids_only_give_the_plan_of_all_pairs(weighted: bool, monkeypatch) -> None:
-    """Eager CPU computes distances from the medoids that moved; compiled and accelerator
-    runs pick rows of all N x N distances. Same plans, on data where many medoids move."""
+    """Eager CPU recomputes the distances of the medoids that moved; compiled and
+    accelerator runs compute them afresh. Same plans, on data where many medoids move."""
     from leanformer.ops import clustering
 
     x, w = _data(b=5, n=60, c=3, seed=9)
@@ -208,16 +208,27 @@ def test_medoid_updates_from_means_and_from_pairs_agree(weighted: bool) -> None:
             assert torch.equal(from_means, _medoids_from_pairs(token_sq_dists(xc), assign, w, k))
 
 
-def test_moved_rows_equal_rows_computed_afresh() -> None:
-    from leanformer.ops.clustering import _medoid_rows, _moved_rows
+def _dense(table, n: int) -> torch.Tensor:
+    """A medoid table as ``[B, K, N]`` with NaN in the medoids' own columns."""
+    B, k, m = table.dists.shape
+    out = torch.full((B, k, n), float("nan"), dtype=table.dists.dtype)
+    return out.scatter_(2, table.others[:, None, :].expand(B, k, m), table.dists)
 
-    x, _ = _data(b=3, n=20, c=4, seed=2)
+
+def test_medoid_table_after_moves_equals_the_table_computed_afresh() -> None:
+    from leanformer.ops.medoid_distances import after_moves, medoid_distances
+
+    x, _ = _data(b=4, n=20, c=4, seed=2)
     sq = (x * x).sum(-1)
-    old = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]])
-    new = torch.tensor([[0, 15, 2, 3], [4, 5, 6, 7], [12, 13, 14, 19]])  # 1, 0 and 4 moved
-    rows = _moved_rows(_medoid_rows(x, sq, old, None), x, sq, old, new)
-    torch.testing.assert_close(rows, _medoid_rows(x, sq, new, None), rtol=0, atol=1e-12)
-    torch.testing.assert_close(rows, torch.cdist(x.gather(1, new[..., None].expand(3, 4, 4)), x) ** 2)
+    old = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [0, 5, 10, 15]])
+    new = torch.tensor([[0, 15, 2, 3], [4, 5, 6, 7], [12, 13, 14, 19], [1, 5, 10, 16]])  # 1, 0, 4, 2 moved
+    table = after_moves(medoid_distances(x, sq, old), x, sq, old, new)
+    fresh = medoid_distances(x, sq, new)
+    assert torch.equal(table.others.sort(dim=1).values, fresh.others)
+    torch.testing.assert_close(_dense(table, 20), _dense(fresh, 20), rtol=0, atol=1e-12, equal_nan=True)
+    expected = torch.cdist(x.gather(1, new[..., None].expand(4, 4, 4)), x) ** 2
+    expected.scatter_(2, new[:, None, :].expand(4, 4, 4), float("nan"))
+    torch.testing.assert_close(_dense(table, 20), expected, equal_nan=True)
 
 
 @pytest.mark.parametrize("weighted", [False, True])
@@ -429,9 +440,9 @@ def test_bad_inputs_raise() -> None:
 
 
 def _assign(x: torch.Tensor, medoids: torch.Tensor) -> torch.Tensor:
-    from leanformer.ops.clustering import _assign_to_medoids, _medoid_rows
+    from leanformer.ops.medoid_distances import medoid_distances, nearest_medoids
 
-    return _assign_to_medoids(_medoid_rows(x, (x * x).sum(-1), medoids, None), medoids)
+    return nearest_medoids(medoid_distances(x, (x * x).sum(-1), medoids), medoids, x.shape[1])
 
 
 def test_assignment_ties_go_to_the_first_medoid_in_medoid_order() -> None:

@@ -29,7 +29,15 @@ import torch
 from torch import Tensor
 
 from leanformer.ops.hashed_noise import uniform_noise
+from leanformer.ops.medoid_distances import (
+    MedoidDistances,
+    after_moves,
+    medoid_distances,
+    nearest_medoids,
+    non_medoids,
+)
 from leanformer.ops.segment_sum import flat_rows, row_table, segment_sum
+from leanformer.ops.token_distances import centred, pairwise_sq_dists, token_sq_dists
 
 InitMode = Literal["topk", "random"]
 
@@ -52,50 +60,6 @@ class ClusterPlan(NamedTuple):
             return self.medoids.shape[1]
         assert self.centers is not None
         return self.centers.shape[1]
-
-
-def pairwise_sq_dists(x: Tensor, y: Tensor | None = None, *, y_sq_norms: Tensor | None = None) -> Tensor:
-    """Squared Euclidean distances ``[B, N, M]`` between ``x [B, N, C]`` and ``y [B, M, C]``.
-
-    One batched matrix product (``|x|^2 + |y|^2 - 2 x.y``); clamped at 0 because rounding
-    can make the expansion slightly negative for (near-)identical tokens. The expansion
-    cancels badly when the tokens sit far from the origin compared with their spread:
-    pass tokens centred per example (:func:`centred`), which leaves distances unchanged.
-    ``y_sq_norms [B, M]``: ``|y|^2`` when the caller has it already.
-    """
-    xx = (x * x).sum(-1)
-    if y is None:
-        y, yy = x, xx
-    else:
-        yy = (y * y).sum(-1) if y_sq_norms is None else y_sq_norms
-    # baddbmm fuses the -2 scale and the |y|^2 term into the one matrix product.
-    d = torch.baddbmm(yy[:, None, :], x, y.transpose(1, 2), alpha=-2.0)
-    return d.add_(xx[:, :, None]).clamp_min_(0.0)
-
-
-def centred(x: Tensor) -> Tensor:
-    """``x [B, N, C]`` minus each example's mean token, in float32 at least.
-
-    Distances between tokens do not change, but their float32 rounding does: the
-    expansion ``|x|^2 + |y|^2 - 2 x.y`` loses the digits of ``|x - y|^2`` that lie below
-    the rounding of ``|x|^2``. Half-precision tokens are widened, so ``|x|^2`` cannot
-    overflow either.
-    """
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
-    return x - x.mean(dim=1, keepdim=True)
-
-
-def token_sq_dists(x: Tensor) -> Tensor:
-    """Squared distances ``[B, N, N]`` between the tokens of ``x [B, N, C]`` (centred).
-
-    Exactly symmetric with a zero diagonal: the two members of an unweighted 2-token
-    cluster then cost exactly the same as each other's medoid, and the tie goes to the
-    lower index as in a per-example reference.
-    """
-    d = pairwise_sq_dists(x)
-    d = torch.minimum(d, d.transpose(1, 2))
-    d.diagonal(dim1=1, dim2=2).zero_()
-    return d
 
 
 def init_centers(
@@ -205,54 +169,28 @@ def _first_argmin(values: Tensor, assign: Tensor, k: int) -> Tensor:
     return init.scatter_reduce(1, assign, candidate, reduce="amin", include_self=True)
 
 
-def _medoid_rows(xc: Tensor, sq_norms: Tensor, medoids: Tensor, every_pair: Tensor | None) -> Tensor:
-    """Squared distances ``[B, P, N]`` from the tokens at ``medoids [B, P]`` to every token.
-
-    Picked from ``every_pair [B, N, N]`` when given, else computed: ``P x N`` distances,
-    one matrix product. ``xc [B, N, C]``: centred tokens, ``sq_norms = |xc|^2 [B, N]``.
-    """
-    B, N, C = xc.shape
-    if every_pair is not None:
-        # Whole rows by index_select (a gather with an index expanded over N is ~10x slower).
-        return every_pair.view(B * N, N).index_select(0, flat_rows(medoids, N)).view(B, -1, N)
-    table, step = row_table(xc)
-    centres = table.index_select(0, flat_rows(medoids, step)).view(B, -1, C)
-    return pairwise_sq_dists(centres, xc, y_sq_norms=sq_norms)
+def _update_from_means(num_tokens: int, channels: int, k: int) -> bool:
+    """Whether K-Medoids updates its medoids from the cluster means rather than from all
+    N x N distances (both exact): with more tokens than channels, where a pass over the
+    N x N distances reads more than one over the tokens; or when at most a quarter of the
+    tokens go, where the N x N product would cost over five times the ``K x (N - K)`` one
+    that the means need instead. Measured on CPU: the other way round was 1.1-1.8x slower
+    with half the tokens kept and N <= C."""
+    return num_tokens > channels or 4 * (num_tokens - k) <= num_tokens
 
 
-def _moved_rows(rows: Tensor, xc: Tensor, sq_norms: Tensor, old: Tensor, new: Tensor) -> Tensor:
-    """``rows [B, K, N]`` of the ``old`` medoids -> those of the ``new`` ones, in place,
-    computing only the rows of medoids that moved (eager CPU only: it reads back how many
-    moved).
-
-    Few move once the tokens have settled into clusters: 1-14% in the first update on
-    ``deit_fashion``, fewer later, so this costs a fraction of ``K x N`` distances.
-    """
-    B, k, N = rows.shape
-    moved = new != old
-    most = int(moved.sum(dim=1).max())
-    # Every example's moved slots first; examples with fewer also recompute unmoved slots,
-    # whose rows are written back only where the medoid moved.
-    slots = moved.to(torch.uint8).sort(dim=1, descending=True, stable=True).indices[:, :most]
-    flat = flat_rows(slots, k)
-    table = rows.view(B * k, N)
-    fresh = _medoid_rows(xc, sq_norms, new.gather(1, slots), None).view(B * most, N)
-    keep = moved.gather(1, slots).view(B * most, 1)
-    table.index_copy_(0, flat, torch.where(keep, fresh, table.index_select(0, flat)))
-    return rows
-
-
-def _assign_to_medoids(rows: Tensor, medoids: Tensor) -> Tensor:
-    """``rows [B, K, N]`` (distances from every medoid), ``medoids [B, K]`` -> ``assign [B, N]``
-    (eqs. 10/16).
-
-    Every token goes to its nearest medoid, the first in medoid order on ties; a medoid
-    always belongs to its own cluster, even when another medoid duplicates it, so no
-    cluster is empty.
-    """
-    B, k, _ = rows.shape
-    assign = rows.min(dim=1).indices  # the first minimum
-    return assign.scatter(1, medoids, torch.arange(k, device=medoids.device).expand(B, k))
+def _medoid_table(
+    xc: Tensor, sq_norms: Tensor, medoids: Tensor, every_pair: Tensor | None
+) -> MedoidDistances:
+    """Distances between ``medoids [B, K]`` and the other tokens: picked from ``every_pair
+    [B, N, N]`` when given, else computed (one ``K x (N - K)`` product)."""
+    if every_pair is None:
+        return medoid_distances(xc, sq_norms, medoids)
+    B, N, _ = every_pair.shape
+    others = non_medoids(medoids, N)
+    # Whole rows by index_select (a gather with an index expanded over N is ~10x slower).
+    rows = every_pair.view(B * N, N).index_select(0, flat_rows(medoids, N)).view(B, -1, N)
+    return MedoidDistances(others, rows.gather(2, others[:, None, :].expand(B, medoids.shape[1], -1)))
 
 
 def _medoids_from_means(xc: Tensor, sq_norms: Tensor, w: Tensor, assign: Tensor, k: int) -> Tensor:
@@ -312,12 +250,12 @@ def kmedoids_plan(
 
     The medoid update minimises the *weighted* sum of distances to the members: eq. 17
     prints the unweighted one, which would not decrease the weighted objective (eq. 13).
-    With more tokens than channels (N > C) it runs on cluster means (O(N C) per update)
-    and needs distances from the medoids only: eager on CPU, those of the initial medoids
-    and then of the ones that move; elsewhere, where counting the moved ones would cost a
-    device sync or a graph break, all N x N distances once, the medoids' rows picked from
-    them. With N <= C, sums over all N x N distances cost less than the means' O(N C)
-    passes. Every way gives the plan of the sums, up to float rounding of the distances.
+    It takes one of two exact forms (:func:`_update_from_means`): from the cluster means,
+    O(N C) per update, or from all N x N distances, O(N^2). The assignment needs the
+    distances between the medoids and the
+    other tokens only (:mod:`leanformer.ops.medoid_distances`): picked from the N x N
+    distances, or computed, and then, in eager mode on CPU, recomputed only where medoids
+    moved. Every way gives the plan of the sums, up to float rounding of the distances.
     """
     _check(x, k, weights)
     B, N, C = x.shape
@@ -326,25 +264,24 @@ def kmedoids_plan(
     medoids = _default_init(init, weights, k, N, B, x.device)
     xc = centred(x.detach())
     w = _weights(x, weights, xc.dtype)
-    from_means = N > C
-    sq_norms = (xc * xc).sum(-1) if from_means else xc.new_empty(0)  # unused with N <= C
-    every_pair = None if from_means and _reads_back(xc) else token_sq_dists(xc)
-    rows = _medoid_rows(xc, sq_norms, medoids, every_pair)
-    assign = _assign_to_medoids(rows, medoids)
+    every_pair = None if _update_from_means(N, C, k) else token_sq_dists(xc)
+    sq_norms = (xc * xc).sum(-1) if every_pair is None else xc.new_empty(0)  # only used without
+    incremental = every_pair is None and _reads_back(xc)
+    table = _medoid_table(xc, sq_norms, medoids, every_pair)
+    assign = nearest_medoids(table, medoids, N)
     for _ in range(max_iters):
-        if from_means:
+        if every_pair is None:
             new_medoids = _medoids_from_means(xc, sq_norms, w, assign, k)
         else:
-            assert every_pair is not None
             new_medoids = _medoids_from_pairs(every_pair, assign, w, k)
         if _settled(new_medoids, medoids):
             break
-        if every_pair is None:
-            rows = _moved_rows(rows, xc, sq_norms, medoids, new_medoids)
+        if incremental:
+            table = after_moves(table, xc, sq_norms, medoids, new_medoids)
         else:
-            rows = _medoid_rows(xc, sq_norms, new_medoids, every_pair)
+            table = _medoid_table(xc, sq_norms, new_medoids, every_pair)
         medoids = new_medoids
-        assign = _assign_to_medoids(rows, medoids)
+        assign = nearest_medoids(table, medoids, N)
     return ClusterPlan(assign=assign, medoids=medoids, centers=None)
 
 
