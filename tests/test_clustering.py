@@ -208,6 +208,30 @@ def test_medoid_updates_from_means_and_from_pairs_agree(weighted: bool) -> None:
             assert torch.equal(from_means, _medoids_from_pairs(token_sq_dists(xc), assign, w, k))
 
 
+@pytest.mark.parametrize("k", [300, 450, 590])
+def test_large_n_plans_agree_every_way(k: int, monkeypatch) -> None:
+    """High-resolution sizes (600 tokens): the incremental medoid table, the table
+    recomputed every update, and the update from all N x N distances give one plan."""
+    from leanformer.ops import clustering
+
+    x, w = _data(b=2, n=600, c=8, seed=k)
+    init = init_centers(
+        None, k, num_tokens=600, batch=2, mode="random", generator=torch.Generator().manual_seed(k)
+    )
+    plans = [kmedoids_plan(x, k, weights=w, init=init)]
+    with monkeypatch.context() as m:
+        m.setattr(clustering, "_reads_back", lambda t: False)
+        plans.append(kmedoids_plan(x, k, weights=w, init=init))
+    with monkeypatch.context() as m:
+        m.setattr(clustering, "_update_from_means", lambda n, c, k: False)
+        plans.append(kmedoids_plan(x, k, weights=w, init=init))
+    start = kmedoids_plan(x, k, weights=w, init=init, max_iters=0)
+    assert not torch.equal(plans[0].medoids, start.medoids)  # medoids did move
+    for other in plans[1:]:
+        assert torch.equal(other.assign, plans[0].assign)
+        assert torch.equal(other.medoids, plans[0].medoids)
+
+
 def _dense(table, n: int) -> torch.Tensor:
     """A medoid table as ``[B, K, N]`` with NaN in the medoids' own columns."""
     B, k, m = table.dists.shape

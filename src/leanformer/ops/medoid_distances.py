@@ -46,7 +46,12 @@ def _tokens(xc: Tensor, index: Tensor) -> Tensor:
 
 def _between(xc: Tensor, sq_norms: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
     """Squared distances ``[B, R, S]`` between the tokens ``rows [B, R]`` and ``cols [B, S]``."""
-    return pairwise_sq_dists(_tokens(xc, rows), _tokens(xc, cols), y_sq_norms=sq_norms.gather(1, cols))
+    return pairwise_sq_dists(
+        _tokens(xc, rows),
+        _tokens(xc, cols),
+        x_sq_norms=sq_norms.gather(1, rows),
+        y_sq_norms=sq_norms.gather(1, cols),
+    )
 
 
 def non_medoids(medoids: Tensor, num_tokens: int) -> Tensor:

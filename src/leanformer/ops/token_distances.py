@@ -12,16 +12,18 @@ import torch
 from torch import Tensor
 
 
-def pairwise_sq_dists(x: Tensor, y: Tensor | None = None, *, y_sq_norms: Tensor | None = None) -> Tensor:
+def pairwise_sq_dists(
+    x: Tensor, y: Tensor | None = None, *, x_sq_norms: Tensor | None = None, y_sq_norms: Tensor | None = None
+) -> Tensor:
     """Squared Euclidean distances ``[B, N, M]`` between ``x [B, N, C]`` and ``y [B, M, C]``.
 
     One batched matrix product (``|x|^2 + |y|^2 - 2 x.y``); clamped at 0 because rounding
     can make the expansion slightly negative for (near-)identical tokens. The expansion
     cancels badly when the tokens sit far from the origin compared with their spread:
     pass tokens centred per example (:func:`centred`), which leaves distances unchanged.
-    ``y_sq_norms [B, M]``: ``|y|^2`` when the caller has it already.
+    ``x_sq_norms [B, N]``, ``y_sq_norms [B, M]``: ``|x|^2``, ``|y|^2`` when the caller has them.
     """
-    xx = (x * x).sum(-1)
+    xx = (x * x).sum(-1) if x_sq_norms is None else x_sq_norms
     if y is None:
         y, yy = x, xx
     else:
