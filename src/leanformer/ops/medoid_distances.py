@@ -45,13 +45,25 @@ def _tokens(xc: Tensor, index: Tensor) -> Tensor:
 
 
 def _between(xc: Tensor, sq_norms: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
-    """Squared distances ``[B, R, S]`` between the tokens ``rows [B, R]`` and ``cols [B, S]``."""
-    return pairwise_sq_dists(
-        _tokens(xc, rows),
-        _tokens(xc, cols),
-        x_sq_norms=sq_norms.gather(1, rows),
-        y_sq_norms=sq_norms.gather(1, cols),
-    )
+    """Squared distances ``[B, R, S]`` between the tokens ``rows [B, R]`` and ``cols [B, S]``.
+
+    Both sets are copied out of ``xc`` for the product, unless one holds more than half of
+    the tokens (the medoids, when a block removes a few): then the other set is
+    multiplied against all tokens in place and the wanted columns are picked, which
+    costs about the same product without copying most of the tokens.
+    """
+    R, S, N = rows.shape[1], cols.shape[1], xc.shape[1]
+    if 2 * max(R, S) <= N:
+        return pairwise_sq_dists(
+            _tokens(xc, rows),
+            _tokens(xc, cols),
+            x_sq_norms=sq_norms.gather(1, rows),
+            y_sq_norms=sq_norms.gather(1, cols),
+        )
+    few, many = (rows, cols) if R <= S else (cols, rows)
+    to_all = pairwise_sq_dists(_tokens(xc, few), xc, x_sq_norms=sq_norms.gather(1, few), y_sq_norms=sq_norms)
+    picked = to_all.gather(2, many[:, None, :].expand(-1, few.shape[1], -1))
+    return picked if R <= S else picked.transpose(1, 2)
 
 
 def non_medoids(medoids: Tensor, num_tokens: int) -> Tensor:
@@ -65,7 +77,7 @@ def non_medoids(medoids: Tensor, num_tokens: int) -> Tensor:
 def medoid_distances(xc: Tensor, sq_norms: Tensor, medoids: Tensor) -> MedoidDistances:
     """The table for ``medoids``, computed afresh: one ``K x (N - K)`` product per example."""
     others = non_medoids(medoids, xc.shape[1])
-    return MedoidDistances(others, _between(xc, sq_norms, medoids, others))
+    return MedoidDistances(others, _between(xc, sq_norms, medoids, others).contiguous())
 
 
 def nearest_medoids(table: MedoidDistances, medoids: Tensor, num_tokens: int) -> Tensor:
