@@ -34,7 +34,6 @@ from leanformer.ops.medoid_distances import (
     after_moves,
     medoid_distances,
     nearest_medoids,
-    non_medoids,
 )
 from leanformer.ops.segment_sum import flat_rows, row_table, segment_sum
 from leanformer.ops.token_distances import centred, pairwise_sq_dists, token_sq_dists
@@ -182,15 +181,15 @@ def _update_from_means(num_tokens: int, channels: int, k: int) -> bool:
 def _medoid_table(
     xc: Tensor, sq_norms: Tensor, medoids: Tensor, every_pair: Tensor | None
 ) -> MedoidDistances:
-    """Distances between ``medoids [B, K]`` and the other tokens: picked from ``every_pair
-    [B, N, N]`` when given, else computed (one ``K x (N - K)`` product)."""
+    """Distances between ``medoids [B, K]`` and the other tokens: computed (one ``K x (N - K)``
+    product), or the medoids' rows of ``every_pair [B, N, N]``, all N columns kept (the
+    medoids' own columns do no harm: the assignment puts a medoid in its own cluster)."""
     if every_pair is None:
         return medoid_distances(xc, sq_norms, medoids)
     B, N, _ = every_pair.shape
-    others = non_medoids(medoids, N)
     # Whole rows by index_select (a gather with an index expanded over N is ~10x slower).
     rows = every_pair.view(B * N, N).index_select(0, flat_rows(medoids, N)).view(B, -1, N)
-    return MedoidDistances(others, rows.gather(2, others[:, None, :].expand(B, medoids.shape[1], -1)))
+    return MedoidDistances(torch.arange(N, device=rows.device).expand(B, N), rows)
 
 
 def _medoids_from_means(xc: Tensor, sq_norms: Tensor, w: Tensor, assign: Tensor, k: int) -> Tensor:

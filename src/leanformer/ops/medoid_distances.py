@@ -30,8 +30,9 @@ from leanformer.ops.token_distances import pairwise_sq_dists
 
 
 class MedoidDistances(NamedTuple):
-    """``others [B, M]``: the tokens that are not medoids; ``dists [B, K, M]``: squared
-    distance from medoid ``j`` to token ``others[:, m]``."""
+    """``others [B, M]``: the tokens that are not medoids (or all tokens: the assignment
+    puts every medoid in its own cluster whatever its column holds); ``dists [B, K, M]``:
+    squared distance from medoid ``j`` to token ``others[:, m]``."""
 
     others: Tensor
     dists: Tensor
