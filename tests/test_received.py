@@ -148,3 +148,12 @@ def test_compiles_without_graph_breaks_and_matches_eager() -> None:
     torch.testing.assert_close(compiled[1], eager[1], rtol=1e-5, atol=1e-5)
     fused = F.scaled_dot_product_attention(q, k, v, attn_mask=sizes.log()[:, None, None])
     torch.testing.assert_close(eager[0], fused)
+
+
+def test_default_block_rows_bound_memory_and_shrink_with_many_keys() -> None:
+    from leanformer.ops.received import default_block_rows
+
+    assert default_block_rows(64, 197) == 256  # few keys: at most 4 * head_dim rows
+    assert default_block_rows(64, 785) == 83  # many keys: a [83, 785] slab per head
+    assert default_block_rows(32, 300) == 128
+    assert default_block_rows(64, 10**6) == 16  # never fewer than 16 rows
