@@ -91,11 +91,16 @@ def blocked_attention_received(
     rows = default_block_rows(q.shape[-1], k.shape[-2]) if block_rows is None else block_rows
     if rows < 1:
         raise ValueError(f"block_rows must be >= 1, got {rows}")
-    # Contiguous once here: q, k and v are usually strided views of one qkv projection,
-    # which every block's matmul would otherwise copy again (k and v whole, per block).
-    q = (q * scale).contiguous()
-    k_t = k.contiguous().transpose(-2, -1)
-    v = v.contiguous()
+    if num_queries >= 4 * rows:
+        # k and v are usually strided views of one qkv projection, which every block's
+        # matmul would copy whole again. With four blocks or more they are copied once
+        # here instead, the scale going into the keys' copy so the queries need none
+        # (with fewer, the saving is small and the copies, live through the loop, would
+        # raise the peak above that of copies made and freed block by block).
+        k, v = (k * scale).contiguous(), v.contiguous()
+    else:
+        q = q * scale
+    k_t = k.transpose(-2, -1)
     outs: list[Tensor] = []
     received: Tensor | None = None
     # A fixed number of blocks, known from the shapes: no host sync, compiles unrolled.
