@@ -173,8 +173,8 @@ def _update_from_means(num_tokens: int, channels: int, k: int) -> bool:
     N x N distances (both exact): with more tokens than channels, where a pass over the
     N x N distances reads more than one over the tokens; or when at most a quarter of the
     tokens go, where the N x N product would cost over five times the ``K x (N - K)`` one
-    that the means need instead. Measured on CPU: the other way round was 1.1-1.8x slower
-    with half the tokens kept and N <= C."""
+    that the means need instead. Elsewhere (N <= C, half the tokens kept) the means form
+    measured up to 1.4x slower on CPU where many medoids move."""
     return num_tokens > channels or 4 * (num_tokens - k) <= num_tokens
 
 
@@ -250,11 +250,11 @@ def kmedoids_plan(
     The medoid update minimises the *weighted* sum of distances to the members: eq. 17
     prints the unweighted one, which would not decrease the weighted objective (eq. 13).
     It takes one of two exact forms (:func:`_update_from_means`): from the cluster means,
-    O(N C) per update, or from all N x N distances, O(N^2). The assignment needs the
-    distances between the medoids and the
-    other tokens only (:mod:`leanformer.ops.medoid_distances`): picked from the N x N
-    distances, or computed, and then, in eager mode on CPU, recomputed only where medoids
-    moved. Every way gives the plan of the sums, up to float rounding of the distances.
+    O(N C) per update, or from all N x N distances, O(N^2). The assignment needs only the
+    distances between the medoids and the other tokens
+    (:mod:`leanformer.ops.medoid_distances`): picked from the N x N distances, or
+    computed, and then, in eager mode on CPU, recomputed only where medoids moved. Every
+    way gives the plan of the sums, up to float rounding of the distances.
     """
     _check(x, k, weights)
     B, N, C = x.shape
