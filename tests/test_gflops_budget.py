@@ -3,7 +3,6 @@ against a brute-force scan, and a sweep whose points land on their target."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -18,9 +17,10 @@ from leanformer.apps.gflops_budget import (
     tilted_ratios,
 )
 from leanformer.apps.sweep_config import budget_label, keep_value, sweep_config_from_dict
-from leanformer.apps.tradeoff import run_sweep, with_method
+from leanformer.apps.tradeoff import iter_rows, run_sweep, with_method
 from leanformer.bench.flops import count_gflops
-from leanformer.engine.builders import build_model, build_split
+from leanformer.engine.builders import build_split
+from sweep_models import untrained_deit_test
 
 DATA = {"name": "digits", "img_size": 16, "limit_test": 48, "eval_batch_size": 48, "batch_size": 16}
 
@@ -104,11 +104,9 @@ def test_sweep_points_land_on_their_gflops(tmp_path: Path, monkeypatch: pytest.M
             "throughput": False,
         }
     )
-    torch.manual_seed(0)
-    info = build_split(cfg.data, "test").info
-    base = build_model("deit_test", {"img_size": 16}, info)[0].eval()
+    base = untrained_deit_test()
     result = run_sweep(cfg, out_dir=tmp_path, progress=False, base=base)
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    rows = list(iter_rows(tmp_path / "results.jsonl"))
     assert [(r["method"], r["keep"]) for r in rows] == [
         ("none", "all"),
         ("merge", "g0.6"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 from pathlib import Path
 
@@ -15,7 +14,6 @@ import yaml
 from leanformer.apps import cluster_maps
 from leanformer.apps.cluster_maps import patch_assignment, trace_token_sources
 from leanformer.apps.sweep_config import (
-    SweepConfig,
     budget_label,
     load_sweep_config,
     method_options,
@@ -24,22 +22,13 @@ from leanformer.apps.sweep_config import (
 )
 from leanformer.apps.tradeoff import add_relative, markdown_table, run_sweep, summarise_seeds, with_method
 from leanformer.commands import demo_tokenpool, tradeoff, visualize_clusters
-from leanformer.engine.builders import build_model, build_split
+from leanformer.engine.builders import build_split
 from leanformer.engine.evaluate import evaluate
 from leanformer.models.registry import create_model
+from sweep_models import untrained_deit_test
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = {"name": "digits", "img_size": 16, "limit_test": 48, "eval_batch_size": 48, "batch_size": 16}
-
-
-@functools.cache
-def _digits_info():
-    return build_split(SweepConfig().data, "test").info
-
-
-def _base() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return build_model("deit_test", {"img_size": 16}, _digits_info())[0].eval()
 
 
 def test_config_validation() -> None:
@@ -127,7 +116,7 @@ def test_seed_summary_averages_random_methods_and_keeps_the_spread() -> None:
 
 
 def test_with_method_copies_and_full_budget_is_identity() -> None:
-    base = _base()
+    base = untrained_deit_test()
     x = torch.randn(3, 1, 16, 16)
     with torch.no_grad():
         ref = base(x)
@@ -181,7 +170,7 @@ def test_run_sweep_writes_results_consistent_with_evaluate(tmp_path: Path) -> No
             "throughput_batch_size": 4,
         }
     )
-    base = _base()
+    base = untrained_deit_test()
     result = run_sweep(cfg, out_dir=tmp_path, progress=False, base=base)
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(r["method"], r["keep"]) for r in rows] == [
@@ -213,7 +202,7 @@ def test_finetune_changes_weights(tmp_path: Path) -> None:
             "throughput": False,
         }
     )
-    base = _base()
+    base = untrained_deit_test()
     before = base.head.weight.clone()
     result = run_sweep(cfg, out_dir=None, progress=False, base=base)
     assert result.rows[1]["finetuned"] and not result.rows[0]["finetuned"]
@@ -256,7 +245,7 @@ def test_trace_matches_finite_differences(method: str) -> None:
     from leanformer.layers.token_pooling import build_reducers
 
     torch.manual_seed(0)
-    model = with_method(_base(), method, [9, 4, 2], carry=False, options={})
+    model = with_method(untrained_deit_test(), method, [9, 4, 2], carry=False, options={})
     x = torch.randn(2, 1, 16, 16)
     trace = trace_token_sources(model, x)
     assert all(type(r).__name__ != "_SourceProbe" for r in model.token_pooling.reducers.values())

@@ -7,13 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from leanformer.apps import tradeoff
-from leanformer.apps.sweep_config import SweepConfig, sweep_config_from_dict
+from leanformer.apps.sweep_config import sweep_config_from_dict
 from leanformer.apps.tradeoff import run_sweep
 from leanformer.cli import main
-from leanformer.engine.builders import build_model, build_split
+from sweep_models import untrained_deit_test
 
 DATA = {"name": "digits", "img_size": 16, "limit_test": 48, "eval_batch_size": 48, "batch_size": 16}
 # Fine-tuned and seeded points: both must not depend on which run measured them.
@@ -30,12 +29,6 @@ SWEEP = {
 MEASURED = ("method", "keep", "seed", "finetuned", "top1", "gflops", "tokens_out")
 
 
-def _base() -> torch.nn.Module:
-    torch.manual_seed(0)
-    info = build_split(SweepConfig().data, "test").info  # type: ignore[attr-defined]
-    return build_model("deit_test", {"img_size": 16}, info)[0].eval()
-
-
 def _measured(rows: list[dict]) -> list[tuple]:
     return [tuple(r[k] for k in MEASURED) for r in rows]
 
@@ -44,12 +37,12 @@ def test_a_resumed_sweep_measures_only_the_missing_points_and_matches_an_uninter
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = sweep_config_from_dict(SWEEP)
-    whole = run_sweep(cfg, out_dir=tmp_path / "whole", progress=False, base=_base())
+    whole = run_sweep(cfg, out_dir=tmp_path / "whole", progress=False, base=untrained_deit_test())
     assert len(whole.rows) == 1 + 1 + 2  # baseline, merge, random x 2 seeds
 
     # An interruption after two points, in the middle of writing the third.
     cut = tmp_path / "cut"
-    run_sweep(cfg, out_dir=cut, progress=False, base=_base())
+    run_sweep(cfg, out_dir=cut, progress=False, base=untrained_deit_test())
     lines = (cut / "results.jsonl").read_text().splitlines(keepends=True)
     (cut / "results.jsonl").write_text("".join(lines[:2]) + lines[2][:20])
     (cut / "table.md").unlink()
@@ -57,7 +50,7 @@ def test_a_resumed_sweep_measures_only_the_missing_points_and_matches_an_uninter
     calls = []
     measure = tradeoff.measure_point
     monkeypatch.setattr(tradeoff, "measure_point", lambda *a, **k: calls.append(1) or measure(*a, **k))
-    resumed = run_sweep(cfg, out_dir=cut, progress=False, base=_base(), resume=True)
+    resumed = run_sweep(cfg, out_dir=cut, progress=False, base=untrained_deit_test(), resume=True)
     assert len(calls) == len(whole.rows) - 2
     assert _measured(resumed.rows) == _measured(whole.rows)
     on_disk = [json.loads(line) for line in (cut / "results.jsonl").read_text().splitlines()]
@@ -66,24 +59,26 @@ def test_a_resumed_sweep_measures_only_the_missing_points_and_matches_an_uninter
 
     # Resuming a finished sweep measures nothing.
     calls.clear()
-    again = run_sweep(cfg, out_dir=cut, progress=False, base=_base(), resume=True)
+    again = run_sweep(cfg, out_dir=cut, progress=False, base=untrained_deit_test(), resume=True)
     assert calls == [] and _measured(again.rows) == _measured(whole.rows)
 
 
 def test_resume_refuses_what_it_cannot_continue(tmp_path: Path) -> None:
     cfg = sweep_config_from_dict({**SWEEP, "finetune_epochs": 0, "methods": ["merge"], "budgets": [0.5]})
     with pytest.raises(ValueError, match="holds no sweep to resume"):
-        run_sweep(cfg, out_dir=tmp_path, progress=False, base=_base(), resume=True)
+        run_sweep(cfg, out_dir=tmp_path, progress=False, base=untrained_deit_test(), resume=True)
     with pytest.raises(ValueError, match="resume continues the sweep"):
-        run_sweep(cfg, out_dir=tmp_path, progress=False, base=_base(), resume=True, overwrite=True)
-    run_sweep(cfg, out_dir=tmp_path, progress=False, base=_base())
+        run_sweep(
+            cfg, out_dir=tmp_path, progress=False, base=untrained_deit_test(), resume=True, overwrite=True
+        )
+    run_sweep(cfg, out_dir=tmp_path, progress=False, base=untrained_deit_test())
     other = sweep_config_from_dict({**SWEEP, "finetune_epochs": 0, "methods": ["merge"], "budgets": [0.4]})
     with pytest.raises(ValueError, match=r"holds a sweep with other settings \(budgets\)"):
-        run_sweep(other, out_dir=tmp_path, progress=False, base=_base(), resume=True)
+        run_sweep(other, out_dir=tmp_path, progress=False, base=untrained_deit_test(), resume=True)
     lines = (tmp_path / "results.jsonl").read_text().splitlines(keepends=True)
     (tmp_path / "results.jsonl").write_text("not json\n" + "".join(lines[1:]))
     with pytest.raises(ValueError, match="line 1: not a result row; the file is damaged"):
-        run_sweep(cfg, out_dir=tmp_path, progress=False, base=_base(), resume=True)
+        run_sweep(cfg, out_dir=tmp_path, progress=False, base=untrained_deit_test(), resume=True)
 
 
 def test_resume_and_overwrite_together_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
