@@ -5,9 +5,10 @@ times each candidate once, in turn); figures are medians.
 
 1. ``received``: one attention call (batch 8, 6 heads, head size 64, N tokens) that also
    returns the attention each key received: through the whole ``[B, H, N, N]``
-   probability matrix (``whole``) and a block of 256 queries at a time (``blocked``,
-   what ``attention(..., return_received=True)`` runs), beside the fused kernel without
-   scores (``sdpa``): time and peak tensor memory.
+   probability matrix (``whole``) and in the default blocks (``blocked``, what
+   ``attention(..., return_received=True)`` runs; eager on the CPU, one item and the
+   heads whose logits fit in cache), beside the fused kernel without scores (``sdpa``):
+   time and peak tensor memory.
 2. ``models``: timm ``deit_small_patch16_224`` built at 224 / 384 / 448 (196 / 576 / 784
    patch tokens), unpatched and patched with each method at one per-block schedule that
    removes the same number ``r`` of patch tokens in every block, ``r`` chosen so the
@@ -42,7 +43,7 @@ from leanformer.bench.results import markdown_rows, write_jsonl
 from leanformer.bench.speedup import speedup_rows
 from leanformer.bench.timing import CLOCKS, add_clock_argument, time_interleaved
 from leanformer.ops.attention import attention, size_bias
-from leanformer.ops.received import blocked_attention_received
+from leanformer.ops.received import BlockShape, blocked_attention_received
 
 ALLOCATOR = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 MODEL = "deit_small_patch16_224"
@@ -89,7 +90,7 @@ def received_rows(n: int, runs: int) -> list[dict[str, Any]]:
     bias = size_bias(token_sizes, q.dtype)
     fns: dict[str, Callable[[], Any]] = {
         "whole": lambda: blocked_attention_received(
-            q, k, v, mask=bias, dropout_p=0.0, scale=64**-0.5, block_rows=n
+            q, k, v, mask=bias, dropout_p=0.0, scale=64**-0.5, block=BlockShape(8, 6, n)
         ),
         "blocked": lambda: attention(q, k, v, sizes=token_sizes, return_received=True),
         "sdpa": lambda: attention(q, k, v, sizes=token_sizes),

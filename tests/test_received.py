@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from leanformer.bench.memory import cpu_peak_mb
 from leanformer.ops.attention import attention
-from leanformer.ops.received import blocked_attention_received
+from leanformer.ops.received import BlockShape, blocked_attention_received, default_block
 
 
 def _qkv(b: int, h: int, n: int, d: int, *, seed: int = 0, dtype: torch.dtype = torch.float32):
@@ -53,25 +53,47 @@ def test_received_equals_explicit_computation(n: int, with_sizes: bool) -> None:
     torch.testing.assert_close(received.sum(-1), torch.full((3,), 4.0 * n), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("block_rows", [1, 3, 16, 61, 100])
-def test_any_block_size_gives_the_same_result_in_float64(block_rows: int) -> None:
+@pytest.mark.parametrize(
+    "block",
+    [
+        (2, 3, 1),
+        (2, 3, 16),
+        (2, 3, 61),
+        (2, 3, 100),
+        (1, 1, 3),
+        (1, 2, 61),
+        (1, 3, 16),
+        (2, 1, 7),
+        (3, 4, 61),
+    ],
+)
+def test_any_block_shape_gives_the_same_result_in_float64(block: tuple[int, int, int]) -> None:
+    """Blocks across items, heads and queries, including ones that do not divide them."""
     q, k, v = _qkv(2, 3, 61, 8, dtype=torch.float64)
     sizes = _sizes(2, 61, num_prefix=1).double()
     bias = sizes.log()[:, None, None, :]
     out, received = blocked_attention_received(
-        q, k, v, mask=bias, dropout_p=0.0, scale=8**-0.5, block_rows=block_rows
+        q, k, v, mask=bias, dropout_p=0.0, scale=8**-0.5, block=BlockShape(*block)
     )
     ref_out, ref_received = _explicit_float64(q, k, v, sizes)
     torch.testing.assert_close(received, ref_received, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
 
 
-def test_masks_with_a_query_dimension_are_cut_with_the_blocks() -> None:
+@pytest.mark.parametrize("block", [None, (2, 3, 32), (1, 2, 10), (1, 1, 37)])
+@pytest.mark.parametrize("mask_shape", [(2, 1, 37, 37), (2, 3, 37, 37), (1, 3, 37, 37), (37, 37), (3, 1, 37)])
+def test_masks_are_cut_with_the_blocks(
+    block: tuple[int, int, int] | None, mask_shape: tuple[int, ...]
+) -> None:
+    """A mask's item, head and query axes are cut with each block; size-1 axes broadcast."""
     q, k, v = _qkv(2, 3, 37, 8, dtype=torch.float64)
     g = torch.Generator().manual_seed(3)
-    keep = torch.rand(2, 1, 37, 37, generator=g) > 0.3
-    keep |= torch.eye(37, dtype=torch.bool)  # every query sees at least itself
-    out, received = attention(q, k, v, attn_mask=keep, return_received=True)  # blocks of 32 rows
+    keep = torch.rand(mask_shape, generator=g) > 0.3
+    keep[..., 0] = True  # every query sees at least one key
+    mask = torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, float("-inf"))
+    out, received = blocked_attention_received(
+        q, k, v, mask=mask, dropout_p=0.0, scale=8**-0.5, block=None if block is None else BlockShape(*block)
+    )
     ref_out, ref_received = _explicit_float64(q, k, v, mask=keep)
     torch.testing.assert_close(received, ref_received)
     torch.testing.assert_close(out, ref_out)
@@ -89,17 +111,26 @@ def test_masked_keys_receive_nothing() -> None:
     torch.testing.assert_close(out.double(), ref_out, rtol=2e-5, atol=1e-5)
 
 
-def test_the_whole_attention_matrix_is_never_stored() -> None:
-    b, h, n, d = 2, 4, 640, 16  # blocks of 64 rows: a tenth of the matrix
+@pytest.mark.parametrize("layout", ["eager_cpu", "compiled"])
+def test_the_whole_attention_matrix_is_never_stored(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager on the CPU a block is one head (a sixteenth of the matrix); compiled, 64 rows of
+    every head (a tenth)."""
+    b, h, n, d = 2, 8, 640, 16
+    if layout == "compiled":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     q, k, v = _qkv(b, h, n, d)
     bias = _sizes(b, n, num_prefix=1).log()[:, None, None, :]
     matrix_mb = b * h * n * n * 4 / 2**20
+    expected = BlockShape(1, 1, n) if layout == "eager_cpu" else BlockShape(b, h, 64)
+    assert default_block(q, n) == expected
     with torch.no_grad():
         blocked = cpu_peak_mb(
             lambda: blocked_attention_received(q, k, v, mask=bias, dropout_p=0.0, scale=0.25)
         )
         whole = cpu_peak_mb(
-            lambda: blocked_attention_received(q, k, v, mask=bias, dropout_p=0.0, scale=0.25, block_rows=n)
+            lambda: blocked_attention_received(
+                q, k, v, mask=bias, dropout_p=0.0, scale=0.25, block=BlockShape(b, h, n)
+            )
         )
     assert whole >= matrix_mb  # the measurement sees the matrix when there is one
     # One block (the softmax overwrites the logits outside autograd) and O(N D).
@@ -119,7 +150,9 @@ def test_gradients_through_blocks() -> None:
     weights = torch.randn(2, 9, dtype=torch.float64)
 
     def loss(q, k, v, bias):
-        out, received = blocked_attention_received(q, k, v, mask=bias, dropout_p=0.0, scale=0.5, block_rows=4)
+        out, received = blocked_attention_received(
+            q, k, v, mask=bias, dropout_p=0.0, scale=0.5, block=BlockShape(1, 1, 4)
+        )
         return out.square().sum() + (received * weights).sum()
 
     assert torch.autograd.gradcheck(loss, (q, k, v, bias))
@@ -129,8 +162,11 @@ def test_zero_queries_or_blocks_are_clear_errors() -> None:
     q, k, v = _qkv(1, 2, 5, 4)
     with pytest.raises(ValueError, match="at least one query"):
         attention(q[:, :, :0], k, v, return_received=True)
-    with pytest.raises(ValueError, match="block_rows"):
-        blocked_attention_received(q, k, v, mask=None, dropout_p=0.0, scale=0.5, block_rows=0)
+    with pytest.raises(ValueError, match="at most 4 dimensions"):
+        attention(q, k, v, attn_mask=torch.zeros(2, 1, 2, 5, 5), return_received=True)
+    for block in [(0, 2, 5), (1, 0, 5), (1, 2, 0)]:
+        with pytest.raises(ValueError, match="every side of a block must be >= 1"):
+            blocked_attention_received(q, k, v, mask=None, dropout_p=0.0, scale=0.5, block=BlockShape(*block))
 
 
 @pytest.mark.slow
@@ -151,9 +187,22 @@ def test_compiles_without_graph_breaks_and_matches_eager() -> None:
 
 
 def test_default_block_rows_bound_memory_and_shrink_with_many_keys() -> None:
+    """The layout across every item and head (compiled, or on an accelerator)."""
     from leanformer.ops.received import default_block_rows
 
     assert default_block_rows(64, 197) == 256  # few keys: at most 4 * head_dim rows
     assert default_block_rows(64, 785) == 83  # many keys: a [83, 785] slab per head
     assert default_block_rows(32, 300) == 128
     assert default_block_rows(64, 10**6) == 16  # never fewer than 16 rows
+
+
+def test_eager_cpu_blocks_are_an_item_and_the_heads_whose_logits_fit_in_cache() -> None:
+    def block(b: int, h: int, n: int, d: int = 64) -> BlockShape:
+        return default_block(torch.empty(b, h, n, d), n)
+
+    assert block(8, 6, 785) == BlockShape(1, 1, 785)  # one head: 616k numbers
+    assert block(32, 6, 197) == BlockShape(1, 6, 197)  # six heads: 233k numbers
+    assert block(32, 12, 197) == BlockShape(1, 6, 197)
+    assert block(1, 3, 20) == BlockShape(1, 3, 20)
+    assert block(2, 6, 4096) == BlockShape(1, 1, 256)  # 2**20 numbers: a head's queries split
+    assert block(2, 6, 10**6) == BlockShape(1, 1, 16)  # never fewer than 16 rows

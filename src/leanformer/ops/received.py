@@ -1,44 +1,104 @@
-"""Attention and the attention each key received, a block of queries at a time.
+"""Attention and the attention each key received, one block of the matrix at a time.
 
 The score of key ``j`` is ``r_j = sum_h sum_i p_hij``, a column sum of the softmax
-probabilities. A softmax row needs only its own query, so the queries split into
-blocks: each block's probabilities ``[B, H, rows, Nk]`` give its rows of the output
-(``p @ v``) and its share of the column sums, then are freed. The result is exactly
-the full computation's (the same products and sums, grouped by rows), while the live
-logits shrink from ``[B, H, Nq, Nk]`` to one block.
+probabilities. A softmax row needs only its own query, so the ``[B, H, Nq, Nk]``
+probabilities split into blocks of (batch items, heads, queries), each with all of its
+keys: each block's probabilities give its rows of the output (``p @ v``) and its share
+of the column sums, then are freed. The result is exactly the full computation's (the
+same products and sums, grouped by blocks), while the live logits shrink to one block.
 
-The default block has at most ``4 * head_dim`` rows, so it holds no more numbers than
-the MLP's hidden activations (``[B, N, 4 C]``) of a block with the same token count, and
-outside autograd the softmax overwrites the logits, so one block buffer is live at a
-time: scores add no quadratic term to a layer's peak memory. With many keys it takes
-fewer rows, about ``2**16 / Nk`` (83 at 785 keys): each head's ``[rows, Nk]`` slab then
-stays small enough for the softmax and the two products to run from cache, which
-measured 1.4x faster than 256 rows at 785 keys (batch 8, 1 thread); with up to 256 keys
-all queries up to ``4 * head_dim`` form one block.
-Time and memory against one whole-matrix block: ``benchmarks/bench_high_resolution.py``
-(figures in ``docs/BENCHMARKS.md``).
+Two block layouts (:func:`default_block`):
 
-Shapes: ``q [B, H, Nq, D]``, ``k, v [B, H, Nk, D]``, ``mask`` additive and broadcastable
-to ``[B, H, Nq, Nk]`` (or beyond it, in its batch).
+- **Eager on the CPU: one batch item and a few heads.** A block holds at most ``2**18``
+  numbers across its heads (one head may take up to ``2**20``: at 785 keys all 785
+  queries), so its logits stay in the core's cache through the product, the softmax,
+  the column sums and the second product. A matrix of at most ``2**21`` numbers (batch 8
+  at 197 tokens) is one block: cut finer, the per-block overhead showed.
+- **Compiled, or on an accelerator: every item and head, a block of queries.** The loop
+  over blocks is unrolled into the graph or launched as kernels, so blocks are few: at
+  most ``4 * head_dim`` queries, about ``2**16 / Nk`` with many keys.
+
+In both, a block holds no more numbers than the MLP's hidden activations
+(``[B, N, 4 C]``) of a block with the same token count, and outside autograd the softmax
+overwrites the logits, so one block buffer is live at a time: scores add no quadratic
+term to a layer's peak memory. The output is written in place into a ``[B, Nq, H, D]``
+buffer, the layout the hosts merge the heads from without a copy. Times against the
+whole matrix and the fused kernel: ``benchmarks/bench_high_resolution.py`` (figures in
+``docs/BENCHMARKS.md``).
+
+Shapes: ``q [B, H, Nq, D]``, ``k, v [B, H, Nk, D]``, ``mask`` additive, of up to four
+dimensions, broadcastable with ``[B, H, Nq, Nk]`` (a mask with more items or heads than
+``q`` makes as many outputs, as ``scaled_dot_product_attention`` does).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+# Numbers in one eager-CPU block: its heads' logits stay in a core's cache (1 MiB in
+# float32); a single head may take up to four times that rather than split its queries,
+# which measured no faster at 785 keys (batch 8, 1 thread).
+_CACHE_BLOCK = 1 << 18
+_CACHE_HEAD = 1 << 20
+# Up to this many numbers the whole matrix is one block: cutting it finer measured
+# slower (per-block overhead) at batch 1 and 8 with 197 tokens.
+_WHOLE = 1 << 21
+
+
+class BlockShape(NamedTuple):
+    """How many batch items, heads and queries one block of the attention matrix spans."""
+
+    items: int
+    heads: int
+    rows: int
+
 
 def default_block_rows(head_dim: int, num_keys: int) -> int:
-    """Queries per block: at most ``4 * head_dim`` (memory), about ``2**16 / num_keys`` (speed)."""
+    """Queries per block across all items and heads: at most ``4 * head_dim`` (memory),
+    about ``2**16 / num_keys`` (speed)."""
     return min(4 * head_dim, max(16, (1 << 16) // max(num_keys, 1)))
 
 
-def _rows_of(mask: Tensor | None, start: int, stop: int, num_queries: int) -> Tensor | None:
-    """The mask for queries ``start:stop`` (a mask without a query dimension serves all)."""
-    if mask is None or mask.dim() < 2 or mask.shape[-2] != num_queries or num_queries == 1:
-        return mask
-    return mask[..., start:stop, :]
+def default_block(q: Tensor, num_keys: int) -> BlockShape:
+    """The block layout for ``q [B, H, Nq, D]`` against ``num_keys`` keys (see the module)."""
+    batch, heads, num_queries, head_dim = q.shape
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
+        return BlockShape(batch, heads, default_block_rows(head_dim, num_keys))
+    # No block holds more numbers than the MLP's hidden layer of a block with as many
+    # tokens (ratio 4), so scores never raise a layer's peak memory, even in narrow models.
+    mlp_hidden = batch * num_queries * 4 * heads * head_dim
+    if batch * heads * num_queries * num_keys <= min(_WHOLE, mlp_hidden):
+        return BlockShape(batch, heads, num_queries)
+    keys = max(num_keys, 1)
+    rows = min(num_queries, max(16, min(_CACHE_HEAD, mlp_hidden) // keys))
+    return BlockShape(1, max(1, min(heads, min(_CACHE_BLOCK, mlp_hidden) // (rows * keys))), rows)
+
+
+def _cut(mask: Tensor | None, full: torch.Size, cuts: tuple[slice, slice, slice]) -> Tensor | None:
+    """The part of ``mask`` one block sees, as ``[items * heads | 1, rows | 1, Nk]``.
+
+    ``cuts`` are the block's (items, heads, queries) of the logits ``full``
+    ``[B, H, Nq, Nk]``. The mask's axes line up with the logits' from the right; an axis
+    of size 1 broadcasts, so it serves every block uncut.
+    """
+    if mask is None:
+        return None
+    index = [slice(None)] * mask.dim()
+    for offset, (cut, size) in enumerate(zip(cuts, full[:3], strict=True)):
+        axis = mask.dim() - 4 + offset
+        if axis >= 0 and mask.shape[axis] == size:
+            index[axis] = cut
+    mask = mask[tuple(index)]
+    mask = mask.reshape((1,) * (4 - mask.dim()) + mask.shape)
+    if mask.shape[0] * mask.shape[1] == 1:
+        return mask.flatten(0, 1)
+    # Items and heads flatten into the products' batch axis.
+    items, heads = (cut.stop - cut.start for cut in cuts[:2])
+    return mask.expand(items, heads, *mask.shape[2:]).flatten(0, 1)
 
 
 def _needs_graph(*tensors: Tensor | None) -> bool:
@@ -46,18 +106,22 @@ def _needs_graph(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _block(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> tuple[Tensor, Tensor]:
-    """One block of (pre-scaled) queries: ``(out [B, H, rows, D], received share [B, Nk])``.
+def _block(
+    q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None, scale: float, dropout_p: float
+) -> tuple[Tensor, Tensor]:
+    """One block: ``q [G, rows, D]``, ``k_t [G, D, Nk]``, ``v [G, Nk, D]`` ->
+    ``(out [G, rows, D], received share [G, Nk])``.
 
     A function of its own so the block's logits and probabilities are freed on return,
     before the next block's are made.
     """
-    logits = q @ k_t
+    # The scale rides in the product. The mask does not: a product that starts from a
+    # broadcast mask copies it into the output first, which measured 5x slower than
+    # adding it afterwards.
+    logits = torch.baddbmm(q.new_zeros(()), q, k_t, beta=0.0, alpha=scale)
     if mask is not None:
-        # In place when the mask broadcasts to the logits (the usual case): one block
-        # buffer less (the matmul's backward does not need its output).
-        fits = torch.broadcast_shapes(logits.shape, mask.shape) == logits.shape
-        logits = logits.add_(mask) if fits else logits + mask
+        # In place (the product's backward does not need its output): one block buffer less.
+        logits = logits.add_(mask)
     if _needs_graph(q, k_t, v, mask):
         probs = logits.softmax(dim=-1)
         del logits
@@ -66,10 +130,10 @@ def _block(q: Tensor, k_t: Tensor, v: Tensor, mask: Tensor | None, dropout_p: fl
         probs = torch.softmax(logits, dim=-1, out=logits)
     # Scores come from the probabilities before dropout: dropout is a training-time
     # perturbation, not part of what the token "received".
-    share = probs.sum(dim=(1, 2))
+    share = probs.sum(dim=-2)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
-    return probs @ v, share
+    return torch.bmm(probs, v), share
 
 
 def blocked_attention_received(
@@ -80,38 +144,59 @@ def blocked_attention_received(
     mask: Tensor | None,
     dropout_p: float,
     scale: float,
-    block_rows: int | None = None,
+    block: BlockShape | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(out [B, H, Nq, D], received [B, Nk])``, ``block_rows`` queries at a time.
+    """``(out [B, H, Nq, D], received [B, Nk])``, one ``block`` of the matrix at a time.
 
     Differentiable in every input (autograd keeps each block's probabilities).
-    ``block_rows >= Nq`` is the plain computation through the whole matrix.
+    ``block=BlockShape(B, H, Nq)`` is the plain computation through the whole matrix;
+    ``None`` takes :func:`default_block`.
     """
-    num_queries = q.shape[-2]
-    rows = default_block_rows(q.shape[-1], k.shape[-2]) if block_rows is None else block_rows
-    if rows < 1:
-        raise ValueError(f"block_rows must be >= 1, got {rows}")
-    if num_queries >= 4 * rows:
-        # k and v are usually strided views of one qkv projection, which every block's
-        # matmul would copy whole again. With four blocks or more they are copied once
-        # here instead, the scale going into the keys' copy so the queries need none
-        # (with fewer, the saving is small and the copies, live through the loop, would
-        # raise the peak above that of copies made and freed block by block).
-        k, v = (k * scale).contiguous(), v.contiguous()
-    else:
-        q = q * scale
-    k_t = k.transpose(-2, -1)
-    outs: list[Tensor] = []
-    received: Tensor | None = None
-    # A fixed number of blocks, known from the shapes: no host sync, compiles unrolled.
-    for start in range(0, num_queries, rows):
-        stop = min(start + rows, num_queries)
-        out, share = _block(
-            q[..., start:stop, :], k_t, v, _rows_of(mask, start, stop, num_queries), dropout_p
-        )
-        outs.append(out)
-        received = share if received is None else received + share
-    if received is None:
+    if q.shape[-2] == 0:
         raise ValueError("attention with received scores needs at least one query, got 0")
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-    return out, received
+    if mask is not None:
+        if mask.dim() > 4:
+            raise ValueError(
+                f"the mask must have at most 4 dimensions [B, H, Nq, Nk], got shape {tuple(mask.shape)}"
+            )
+        # A mask with more items or heads than q, k and v (SDPA broadcasts them against
+        # it) gets them expanded to its own: every block then cuts all four alike.
+        lead = torch.broadcast_shapes(q.shape[:2], mask.shape[:-2][-2:])
+        q, k, v = (t.expand(*lead, *t.shape[2:]) for t in (q, k, v))
+    batch, heads, num_queries, head_dim = q.shape
+    num_keys = k.shape[-2]
+    items, heads_per, rows = default_block(q, num_keys) if block is None else block
+    if min(items, heads_per, rows) < 1:
+        raise ValueError(f"every side of a block must be >= 1, got {BlockShape(items, heads_per, rows)}")
+    starts = [
+        (b, h, r)
+        for b in range(0, batch, items)
+        for h in range(0, heads, heads_per)
+        for r in range(0, num_queries, rows)
+    ]
+    if len(starts) >= 4:
+        # v is usually a strided view of one qkv projection; the second product reads
+        # it faster contiguous (1.1x at 785 keys), worth one copy when there are several
+        # blocks. The keys' product measured no faster with a copy of k.
+        v = v.contiguous()
+    k_t = k.transpose(-2, -1)
+    full = torch.Size((batch, heads, num_queries, num_keys))
+    # The output is laid out [B, Nq, H, D], so the hosts' merge of the heads
+    # (``out.transpose(1, 2).reshape(B, Nq, H * D)``) is a view, not a copy.
+    out = q.new_empty(batch, num_queries, heads, head_dim)
+    received = q.new_zeros(batch, heads, num_keys)
+    # A fixed number of blocks, known from the shapes: no host sync, compiles unrolled.
+    for b, h, r in starts:
+        cuts = (slice(b, min(b + items, batch)), slice(h, min(h + heads_per, heads)), slice(r, r + rows))
+        block_out, share = _block(
+            q[cuts].flatten(0, 1),
+            k_t[cuts[:2]].flatten(0, 1),
+            v[cuts[:2]].flatten(0, 1),
+            _cut(mask, full, cuts),
+            scale,
+            dropout_p,
+        )
+        block_items = cuts[0].stop - cuts[0].start
+        out[cuts[0], cuts[2], cuts[1]] = block_out.unflatten(0, (block_items, -1)).transpose(1, 2)
+        received[cuts[:2]] += share.unflatten(0, (block_items, -1))
+    return out.transpose(1, 2), received.sum(dim=1)
