@@ -197,6 +197,8 @@ def test_default_block_rows_bound_memory_and_shrink_with_many_keys() -> None:
 
 
 def test_eager_cpu_blocks_are_an_item_and_the_heads_whose_logits_fit_in_cache() -> None:
+    assert torch.get_num_threads() == 1  # the suite's setting (conftest)
+
     def block(b: int, h: int, n: int, d: int = 64) -> BlockShape:
         return default_block(torch.empty(b, h, n, d), n)
 
@@ -206,3 +208,10 @@ def test_eager_cpu_blocks_are_an_item_and_the_heads_whose_logits_fit_in_cache() 
     assert block(1, 3, 20) == BlockShape(1, 3, 20)
     assert block(2, 6, 4096) == BlockShape(1, 1, 256)  # 2**20 numbers: a head's queries split
     assert block(2, 6, 10**6) == BlockShape(1, 1, 16)  # never fewer than 16 rows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # each thread its own heads
+        assert block(8, 6, 785) == BlockShape(1, 2, 785)
+        assert block(32, 6, 197) == BlockShape(1, 6, 197)
+    finally:
+        torch.set_num_threads(threads)
