@@ -72,7 +72,7 @@ def compare_models(
     for name, model in models.items():
         fns[f"{name}|eager"] = lambda m=model: m(x)
         if args.compile:
-            torch._dynamo.reset()
+            # No reset between models: every compiled model is timed after the last compiles.
             compiled, compile_s[name] = compile_for_inference(model, (x,))
             fns[f"{name}|compiled"] = lambda m=compiled: m(x)
     with torch.inference_mode():

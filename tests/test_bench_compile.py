@@ -48,6 +48,31 @@ def test_bench_model_times_the_compiled_model_and_reports_compile_time(monkeypat
     assert set(row) == set(eager)
 
 
+def test_any_number_of_models_compile_in_one_process() -> None:
+    """Each model of another shape is another compiled version of the forwards they share;
+    dynamo's default limit of 8 versions made the ninth a hard error with fullgraph=True.
+    Twelve models of different widths, each called at two batch sizes, all kept alive
+    and called again afterwards (as the interleaved benchmarks do)."""
+    torch._dynamo.reset()
+
+    class Scaled(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(width))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.weight
+
+    models = []
+    for width in range(1, 13):
+        model = compiled_module.compile_model(Scaled(width), backend="eager")
+        for batch in (2, 3):
+            assert model(torch.ones(batch, width)).shape == (batch, width)
+        models.append((width, model))
+    for width, model in models:
+        torch.testing.assert_close(model(torch.ones(2, width)), torch.ones(2, width))
+
+
 def test_compiled_model_runs_fullgraph_and_matches_eager() -> None:
     torch._dynamo.reset()
     model, seconds = compiled_module.compile_for_inference(Affine(), (torch.ones(2, 3),))

@@ -196,6 +196,9 @@ def measure_point(model: nn.Module, *, loader: Any, batch: Tensor, cfg: SweepCon
     row["tokens_out"] = tokens_out(model, batch)
     runner = model
     if cfg.compile:
+        # One point at a time: the previous points' compiled graphs are dropped first, so a
+        # long sweep holds one point's and every point compiles from the same state.
+        torch._dynamo.reset()
         runner, row["compile_s"] = compile_for_inference(model, (batch,))
     metrics = evaluate(runner, loader, device=cfg.device)
     row["top1"], row["loss"], row["n"] = metrics["top1"], metrics["loss"], metrics["n"]

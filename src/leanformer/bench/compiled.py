@@ -15,10 +15,30 @@ from typing import Any
 import torch
 from torch import nn
 
+# Dynamo keeps at most ``recompile_limit`` (default 8) compiled versions of each Python
+# function, and with ``fullgraph=True`` the next one is a hard error. Every model compiled
+# in a process adds versions of the forwards it shares with the models compiled before
+# it (another method, budget or input shape is another graph), so a sweep of compiled
+# models failed at about its ninth. Each compiled model raises the limits by the versions
+# one model may need: a full batch, a last partial batch and spare.
+_VERSIONS_PER_MODEL = 8
+_models_compiled = 0
 
-def compile_model(model: nn.Module) -> nn.Module:
-    """``model`` compiled with ``fullgraph=True`` (the result is an ``nn.Module`` sharing its weights)."""
-    return torch.compile(model, fullgraph=True)  # type: ignore[return-value]
+
+def _make_room_for_one_more_model() -> None:
+    global _models_compiled
+    _models_compiled += 1
+    config = torch._dynamo.config
+    needed = _VERSIONS_PER_MODEL * _models_compiled
+    config.recompile_limit = max(config.recompile_limit, needed)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * needed)
+
+
+def compile_model(model: nn.Module, *, backend: str = "inductor") -> nn.Module:
+    """``model`` compiled with ``fullgraph=True`` (the result is an ``nn.Module`` sharing its
+    weights). Any number of models may be compiled in one process (see above)."""
+    _make_room_for_one_more_model()
+    return torch.compile(model, fullgraph=True, backend=backend)  # type: ignore[return-value]
 
 
 def compile_for_inference(
