@@ -5,7 +5,7 @@ many input tokens each key stands for (after pooling or merging); they enter the
 logits as an additive ``log(size)`` bias, so a key of size s counts as s identical
 keys (proportional attention). The bias goes through the fused
 ``scaled_dot_product_attention`` kernel as an ``attn_mask``. When the attention each key
-received is asked for, the probabilities are computed a block of queries at a time
+received is asked for, the probabilities are computed one block at a time
 (:mod:`leanformer.ops.received`), so the ``[B, H, Nq, Nk]`` matrix is never whole.
 """
 
