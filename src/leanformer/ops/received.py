@@ -9,11 +9,12 @@ same products and sums, grouped by blocks), while the live logits shrink to one 
 
 Two block layouts (:func:`default_block`):
 
-- **Eager on the CPU: one batch item and a few heads.** A block holds at most ``2**18``
-  numbers per head and intra-op thread (one head may take up to ``2**20``: at 785 keys
-  all 785 queries), so each thread's logits stay in its core's cache through the
-  product, the softmax, the column sums and the second product. A matrix of at most ``2**21`` numbers (batch 8
-  at 197 tokens) is one block: cut finer, the per-block overhead showed.
+- **Eager on the CPU: one batch item and a few heads.** Each intra-op thread gets the
+  heads whose logits hold at most ``2**18`` numbers, or one head of up to ``2**20`` (at
+  785 keys, all 785 queries), so its logits stay in its core's cache through the
+  product, the softmax, the column sums and the second product. A matrix of at most
+  ``2**21`` numbers (batch 8 at 197 tokens) is one block: cut finer, the per-block
+  overhead showed.
 - **Compiled, or on an accelerator: every item and head, a block of queries.** The loop
   over blocks is unrolled into the graph or launched as kernels, so blocks are few: at
   most ``4 * head_dim`` queries, about ``2**16 / Nk`` with many keys.
