@@ -90,7 +90,7 @@ def received_rows(n: int, runs: int) -> list[dict[str, Any]]:
     bias = size_bias(token_sizes, q.dtype)
     fns: dict[str, Callable[[], Any]] = {
         "whole": lambda: blocked_attention_received(
-            q, k, v, mask=bias, dropout_p=0.0, scale=64**-0.5, block=BlockShape(8, 6, n)
+            q, k, v, mask=bias, dropout_p=0.0, scale=64**-0.5, block=BlockShape(*q.shape[:3])
         ),
         "blocked": lambda: attention(q, k, v, sizes=token_sizes, return_received=True),
         "sdpa": lambda: attention(q, k, v, sizes=token_sizes),
