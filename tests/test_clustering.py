@@ -204,8 +204,46 @@ def test_medoid_updates_from_means_and_from_pairs_agree(weighted: bool) -> None:
         for k in (2, 7, n // 2, n - 1):
             assign = torch.randint(0, k, (6, n), generator=torch.Generator().manual_seed(k))
             assign[:, :k] = torch.arange(k)  # no empty cluster
-            from_means = _medoids_from_means(xc, (xc * xc).sum(-1), w, assign, k)
+            medoids = torch.arange(k).expand(6, k)  # token j < k is in cluster j
+            from_means = _medoids_from_means(xc, (xc * xc).sum(-1), w, assign, k, medoids)
             assert torch.equal(from_means, _medoids_from_pairs(token_sq_dists(xc), assign, w, k))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_medoid_update_scoring_shared_clusters_only_matches_scoring_all_tokens(
+    dtype: torch.dtype, weighted: bool, monkeypatch
+) -> None:
+    """Eager CPU scores only the tokens of clusters with several members when they are few;
+    the medoids are those of scoring all N tokens, to the bit, including the tie rules
+    (equal-weight pairs, zero-weight clusters, identical members)."""
+    from leanformer.ops import clustering
+
+    b, n, c = 5, 40, 24
+    x, w = _data(b=b, n=n, c=c, seed=4)
+    x, w = x.to(dtype), (w if weighted else torch.ones_like(w)).to(dtype)
+    x[:, 31] = x[:, 30]  # identical members
+    w[:, 33] = w[:, 32]  # an equal-weight pair
+    w[:, 35] = w[:, 34] = 0.0  # a cluster of weight 0
+    xc = x - x.mean(dim=1, keepdim=True)
+    sq_norms = (xc * xc).sum(-1)
+    gen = torch.Generator().manual_seed(1)
+    for k in (n - 3, n - 8, 26, n // 2, 5):
+        # k distinct medoids, each in its own cluster; every other token joins one.
+        medoids = torch.randperm(n, generator=gen)[:k].sort().values.expand(b, k)
+        assign = torch.randint(0, k, (b, n), generator=gen)
+        if k >= 26:
+            assign[:, 30:36] = torch.tensor([0, 0, 1, 1, 2, 2])  # the tie cases share clusters
+        assign.scatter_(1, medoids, torch.arange(k).expand(b, k))
+        shared = clustering._shared_cluster_tokens(
+            torch.zeros(b, k, dtype=dtype).scatter_add_(1, assign, torch.ones_like(w)).gather(1, assign)
+        )
+        assert (shared is not None) == (k >= n - 8)  # the subset is used where few are shared
+        subset = clustering._medoids_from_means(xc, sq_norms, w, assign, k, medoids)
+        with monkeypatch.context() as m:
+            m.setattr(clustering, "_reads_back", lambda t: False)
+            every_token = clustering._medoids_from_means(xc, sq_norms, w, assign, k, medoids)
+        assert torch.equal(subset, every_token)
 
 
 @pytest.mark.parametrize("k", [300, 450, 590])

@@ -37,8 +37,15 @@ from leanformer.ops.medoid_distances import (
 )
 from leanformer.ops.segment_sum import flat_rows, row_table, segment_sum
 from leanformer.ops.token_distances import centred, pairwise_sq_dists, token_sq_dists
+from leanformer.ops.token_selection import gather_tokens
 
 InitMode = Literal["topk", "random"]
+
+# Marks "no token" in a per-cluster minimum over token indices: above every index.
+_NO_TOKEN = torch.iinfo(torch.int64).max
+# The medoid update scores only the tokens of shared clusters where they are at most
+# this fraction of all tokens (see _shared_cluster_tokens).
+_SHARED_FRACTION = 0.5
 
 
 class ClusterPlan(NamedTuple):
@@ -153,18 +160,19 @@ def _weights(x: Tensor, weights: Tensor | None, dtype: torch.dtype) -> Tensor:
     return weights.detach().to(dtype)
 
 
-def _first_argmin(values: Tensor, assign: Tensor, k: int) -> Tensor:
+def _first_argmin(values: Tensor, assign: Tensor, k: int, tokens: Tensor | None = None) -> Tensor:
     """Per cluster, the member token with the smallest ``values``; ties go to the lowest index.
 
-    ``values, assign [B, N]`` -> token indices ``[B, K]``. Two segment-min reductions
-    instead of a ``[B, K, N]`` masked matrix. Every cluster must be non-empty.
+    ``values, assign [B, P]`` -> token indices ``[B, K]``. Two segment-min reductions
+    instead of a ``[B, K, P]`` masked matrix. ``tokens [B, P]``: the token index of every
+    entry (by default ``0..P-1``). A cluster with no entry gets ``_NO_TOKEN``.
     """
-    B, N = values.shape
+    B, P = values.shape
     inf = torch.full((B, k), float("inf"), dtype=values.dtype, device=values.device)
     best = inf.scatter_reduce(1, assign, values, reduce="amin", include_self=True)
-    index = torch.arange(N, device=values.device).expand(B, N)
-    candidate = torch.where(values == best.gather(1, assign), index, N)
-    init = torch.full((B, k), N, dtype=index.dtype, device=values.device)
+    index = torch.arange(P, device=values.device).expand(B, P) if tokens is None else tokens
+    candidate = torch.where(values == best.gather(1, assign), index, _NO_TOKEN)
+    init = torch.full((B, k), _NO_TOKEN, dtype=index.dtype, device=values.device)
     return init.scatter_reduce(1, assign, candidate, reduce="amin", include_self=True)
 
 
@@ -192,13 +200,19 @@ def _medoid_table(
     return MedoidDistances(torch.arange(N, device=rows.device).expand(B, N), rows)
 
 
-def _medoids_from_means(xc: Tensor, sq_norms: Tensor, w: Tensor, assign: Tensor, k: int) -> Tensor:
+def _medoids_from_means(
+    xc: Tensor, sq_norms: Tensor, w: Tensor, assign: Tensor, k: int, medoids: Tensor
+) -> Tensor:
     """The new medoid of every cluster (eqs. 12/17) from the cluster means -> ``[B, K]``.
 
     A cluster's medoid is the member ``i`` with the least ``sum_{i' in cluster} w_i'
     |x_i' - x_i|^2``. That sum is ``W |x_i - m|^2`` plus a constant of the cluster (``m``
     its weighted mean, ``W`` its total weight), so the medoid is the member nearest the
     weighted mean, found in O(N C); members are ranked by ``|x_i|^2 - 2 x_i.m``.
+
+    A cluster of one token keeps it (``medoids [B, K]``, the current ones), so only the
+    tokens of shared clusters need the means: where few clusters are shared (a block
+    that removes a few tokens), just those are scored (:func:`_shared_cluster_tokens`).
 
     Exact ties go to the lowest index, as with the sums themselves: identical members
     score alike; the two members of a two-token cluster of equal weights cost each other's
@@ -207,14 +221,42 @@ def _medoids_from_means(xc: Tensor, sq_norms: Tensor, w: Tensor, assign: Tensor,
     """
     B, N, C = xc.shape
     total = w.new_zeros(B, k).scatter_add_(1, assign, w)
+    members = torch.zeros_like(total).scatter_add_(1, assign, torch.ones_like(w))
+    tokens = _shared_cluster_tokens(members.gather(1, assign))
+    if tokens is not None:
+        # Whole clusters, each in token order: their means and scores are those of
+        # all N tokens, to the bit.
+        xc, sq_norms = gather_tokens(xc, tokens), sq_norms.gather(1, tokens)
+        w, assign = w.gather(1, tokens), assign.gather(1, tokens)
     own_total = total.gather(1, assign)
     # Weights normalised per cluster first: the means are then one segment sum.
     means = segment_sum(xc, assign, k, w / own_total.clamp_min(torch.finfo(w.dtype).tiny))
-    own_mean = means.view(B * k, C).index_select(0, flat_rows(assign, k)).view(B, N, C)
+    own_mean = means.view(B * k, C).index_select(0, flat_rows(assign, k)).view(xc.shape)
     score = sq_norms - 2.0 * own_mean.mul_(xc).sum(-1)
-    members = torch.zeros_like(total).scatter_add_(1, assign, torch.ones_like(w)).gather(1, assign)
-    tied = ((members == 2) & (own_total - w == w)) | (own_total == 0)
-    return _first_argmin(torch.where(tied, 0.0, score), assign, k)
+    own_members = members.gather(1, assign)
+    tied = ((own_members == 2) & (own_total - w == w)) | (own_total == 0)
+    best = _first_argmin(torch.where(tied, 0.0, score), assign, k, tokens)
+    return best if tokens is None else torch.where(best == _NO_TOKEN, medoids, best)
+
+
+def _shared_cluster_tokens(own_members: Tensor) -> Tensor | None:
+    """Token indices ``[B, P]`` that hold every token of a shared cluster (``own_members
+    [B, N]``: the size of each token's cluster), or None to score all N tokens.
+
+    Each example's shared tokens come first, in token order, then its lowest single
+    tokens up to the common ``P`` (a cluster of one scores its own token, harmlessly).
+    ``P`` is read back to the host, so this is for eager CPU only, and only where at
+    most ``_SHARED_FRACTION`` of the tokens are shared: above that the copy costs about
+    what it saves.
+    """
+    if not _reads_back(own_members):
+        return None
+    B, N = own_members.shape
+    alone = own_members == 1
+    shared = N - int(alone.sum(dim=1).min())
+    if shared > _SHARED_FRACTION * N:
+        return None
+    return alone.to(torch.uint8).sort(dim=1, stable=True).indices[:, :shared]
 
 
 def _medoids_from_pairs(every_pair: Tensor, assign: Tensor, w: Tensor, k: int) -> Tensor:
@@ -273,7 +315,7 @@ def kmedoids_plan(
     assign = nearest_medoids(table, medoids, N)
     for _ in range(max_iters):
         if every_pair is None:
-            new_medoids = _medoids_from_means(xc, sq_norms, w, assign, k)
+            new_medoids = _medoids_from_means(xc, sq_norms, w, assign, k, medoids)
         else:
             new_medoids = _medoids_from_pairs(every_pair, assign, w, k)
         if _settled(new_medoids, medoids):

@@ -184,9 +184,11 @@ def blocked_attention_received(
         # several items flatten items and heads into one batch axis, which copies them,
         # so they are copied once here rather than by every block.
         k, v = k.contiguous(), v.contiguous()
-    elif len(starts) >= 4:
-        # One item per block: v's product reads it faster contiguous (1.1x at 785 keys),
-        # worth one copy when there are several blocks; k's measured no faster.
+    elif len(starts) >= 4 and num_keys >= 4 * head_dim:
+        # One item per block: with many keys v's product reads it faster contiguous
+        # (1.1x at 785 keys), worth one copy when there are several blocks; with fewer
+        # keys than 4 head sizes the copy costs more than it saves (0.93x without it at
+        # 197 keys, batch 32); k's measured no faster.
         v = v.contiguous()
     k_t = k.transpose(-2, -1)
     full = torch.Size((batch, heads, num_queries, num_keys))
