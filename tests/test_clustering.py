@@ -211,12 +211,13 @@ def test_medoid_updates_from_means_and_from_pairs_agree(weighted: bool) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_medoid_update_scoring_shared_clusters_only_matches_scoring_all_tokens(
+def test_medoid_update_scoring_open_clusters_only_matches_scoring_all_tokens(
     dtype: torch.dtype, weighted: bool, monkeypatch
 ) -> None:
-    """Eager CPU scores only the tokens of clusters with several members when they are few;
-    the medoids are those of scoring all N tokens, to the bit, including the tie rules
-    (equal-weight pairs, zero-weight clusters, identical members)."""
+    """Eager CPU scores only the tokens of clusters whose medoid may change (shared ones,
+    and after an update only those whose members changed) when they are few; the medoids
+    are those of scoring all N tokens, to the bit, including the tie rules (equal-weight
+    pairs, zero-weight clusters, identical members)."""
     from leanformer.ops import clustering
 
     b, n, c = 5, 40, 24
@@ -228,22 +229,44 @@ def test_medoid_update_scoring_shared_clusters_only_matches_scoring_all_tokens(
     xc = x - x.mean(dim=1, keepdim=True)
     sq_norms = (xc * xc).sum(-1)
     gen = torch.Generator().manual_seed(1)
+
+    def every_token(assign, medoids, k):
+        with monkeypatch.context() as m:
+            m.setattr(clustering, "_reads_back", lambda t: False)
+            return clustering._medoids_from_means(xc, sq_norms, w, assign, k, medoids)
+
+    def subset_size(assign, medoids, k, previous=None):
+        seen = []
+        with monkeypatch.context() as m:
+            m.setattr(clustering, "_tokens_to_score", lambda t: seen.append(t) or score(t))
+            out = clustering._medoids_from_means(xc, sq_norms, w, assign, k, medoids, previous)
+        return out, int(seen[0].sum(dim=1).max())
+
+    score = clustering._tokens_to_score
     for k in (n - 3, n - 8, 26, n // 2, 5):
         # k distinct medoids, each in its own cluster; every other token joins one.
-        medoids = torch.randperm(n, generator=gen)[:k].sort().values.expand(b, k)
+        medoids = torch.randperm(n, generator=gen)[:k].sort().values.expand(b, k).contiguous()
         assign = torch.randint(0, k, (b, n), generator=gen)
         if k >= 26:
             assign[:, 30:36] = torch.tensor([0, 0, 1, 1, 2, 2])  # the tie cases share clusters
         assign.scatter_(1, medoids, torch.arange(k).expand(b, k))
-        shared = clustering._shared_cluster_tokens(
-            torch.zeros(b, k, dtype=dtype).scatter_add_(1, assign, torch.ones_like(w)).gather(1, assign)
-        )
-        assert (shared is not None) == (k >= n - 8)  # the subset is used where few are shared
-        subset = clustering._medoids_from_means(xc, sq_norms, w, assign, k, medoids)
-        with monkeypatch.context() as m:
-            m.setattr(clustering, "_reads_back", lambda t: False)
-            every_token = clustering._medoids_from_means(xc, sq_norms, w, assign, k, medoids)
-        assert torch.equal(subset, every_token)
+        first, open_tokens = subset_size(assign, medoids, k)
+        assert (open_tokens <= n // 2) == (k >= n - 8)  # a subset where few clusters are shared
+        assert torch.equal(first, every_token(assign, medoids, k))
+        # Three non-medoid tokens change cluster: only the clusters they left or joined
+        # are scored, and the medoids are still those of scoring every token.
+        moved = assign.clone()
+        movers = [i for i in range(n) if i not in medoids[0].tolist()][:3]
+        moved[:, movers] = (moved[:, movers] + 1) % k
+        moved.scatter_(1, first, torch.arange(k).expand(b, k))  # medoids stay in their clusters
+        second, open_tokens = subset_size(moved, first, k, previous=assign)
+        if k >= 26:  # clusters of one or two tokens: the touched ones are a few
+            assert open_tokens <= 12
+        # No member changed cluster since the last update: nothing to score.
+        again, open_tokens = subset_size(moved, second, k, previous=moved)
+        assert open_tokens == 0 and torch.equal(again, second)
+        assert torch.equal(again, every_token(moved, second, k))
+        assert torch.equal(second, every_token(moved, first, k))
 
 
 @pytest.mark.parametrize("k", [300, 450, 590])

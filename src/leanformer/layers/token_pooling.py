@@ -173,15 +173,19 @@ class ClusterPooling(_Seeded, _Reducer):
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         B, N, _ = tokens.shape
         weights = received if self.weighted else sizes
-        start = init_centers(
-            received,
-            k,
-            num_tokens=N,
-            batch=B,
-            mode=self.init,
-            device=tokens.device,
-            **(self._randomness(tokens.device) if self.init == "random" else {}),
-        )
+        start = None
+        if not (self.weighted and self.init == "topk"):
+            # Weighted top-K starts are the plans' own default (the top K by weight): left to
+            # them, they are not checked again (a check that reads values back on the host).
+            start = init_centers(
+                received,
+                k,
+                num_tokens=N,
+                batch=B,
+                mode=self.init,
+                device=tokens.device,
+                **(self._randomness(tokens.device) if self.init == "random" else {}),
+            )
         plan_fn = kmedoids_plan if self.algorithm == "kmedoids" else kmeans_plan
         plan = plan_fn(
             tokens,

@@ -43,9 +43,9 @@ InitMode = Literal["topk", "random"]
 
 # Marks "no token" in a per-cluster minimum over token indices: above every index.
 _NO_TOKEN = torch.iinfo(torch.int64).max
-# The medoid update scores only the tokens of shared clusters where they are at most
-# this fraction of all tokens (see _shared_cluster_tokens).
-_SHARED_FRACTION = 0.5
+# The medoid update scores only the tokens of clusters whose medoid may change where they
+# are at most this fraction of all tokens (see _tokens_to_score).
+_SCORED_FRACTION = 0.5
 
 
 class ClusterPlan(NamedTuple):
@@ -201,7 +201,13 @@ def _medoid_table(
 
 
 def _medoids_from_means(
-    xc: Tensor, sq_norms: Tensor, w: Tensor, assign: Tensor, k: int, medoids: Tensor
+    xc: Tensor,
+    sq_norms: Tensor,
+    w: Tensor,
+    assign: Tensor,
+    k: int,
+    medoids: Tensor,
+    previous: Tensor | None = None,
 ) -> Tensor:
     """The new medoid of every cluster (eqs. 12/17) from the cluster means -> ``[B, K]``.
 
@@ -210,19 +216,27 @@ def _medoids_from_means(
     its weighted mean, ``W`` its total weight), so the medoid is the member nearest the
     weighted mean, found in O(N C); members are ranked by ``|x_i|^2 - 2 x_i.m``.
 
-    A cluster of one token keeps it (``medoids [B, K]``, the current ones), so only the
-    tokens of shared clusters need the means: where few clusters are shared (a block
-    that removes a few tokens), just those are scored (:func:`_shared_cluster_tokens`).
+    Only some clusters can get a new medoid: not a cluster of one token (it keeps it),
+    nor one whose members are those it had at the last update (``previous [B, N]``, the
+    assignment then; the update would give ``medoids [B, K]``, the current ones, again).
+    Where the others' tokens are few, just those are scored (:func:`_tokens_to_score`).
 
     Exact ties go to the lowest index, as with the sums themselves: identical members
     score alike; the two members of a two-token cluster of equal weights cost each other's
     distance, a tie the rounding of the mean would break at random, so both score 0; so
     does every member of a cluster of total weight 0.
     """
-    B, N, C = xc.shape
+    B, _, C = xc.shape
     total = w.new_zeros(B, k).scatter_add_(1, assign, w)
     members = torch.zeros_like(total).scatter_add_(1, assign, torch.ones_like(w))
-    tokens = _shared_cluster_tokens(members.gather(1, assign))
+    open_clusters = members > 1
+    if previous is not None:
+        moved = (assign != previous).to(w.dtype)
+        touched = w.new_zeros(B, k).scatter_add_(1, assign, moved).scatter_add_(1, previous, moved)
+        open_clusters &= touched > 0
+    tokens = _tokens_to_score(open_clusters.gather(1, assign))
+    if tokens is not None and tokens.shape[1] == 0:
+        return medoids  # no cluster changed since the last update
     if tokens is not None:
         # Whole clusters, each in token order: their means and scores are those of
         # all N tokens, to the bit.
@@ -236,27 +250,27 @@ def _medoids_from_means(
     own_members = members.gather(1, assign)
     tied = ((own_members == 2) & (own_total - w == w)) | (own_total == 0)
     best = _first_argmin(torch.where(tied, 0.0, score), assign, k, tokens)
-    return best if tokens is None else torch.where(best == _NO_TOKEN, medoids, best)
+    # Scored in full, every cluster gets its medoid; from a subset, only the open ones
+    # (the subset may hold a part of another cluster, to fill every example to P).
+    return best if tokens is None else torch.where(open_clusters, best, medoids)
 
 
-def _shared_cluster_tokens(own_members: Tensor) -> Tensor | None:
-    """Token indices ``[B, P]`` that hold every token of a shared cluster (``own_members
-    [B, N]``: the size of each token's cluster), or None to score all N tokens.
+def _tokens_to_score(open_token: Tensor) -> Tensor | None:
+    """Token indices ``[B, P]`` holding every token of ``open_token [B, N]`` (tokens of the
+    clusters whose medoid may change), or None to score all N tokens.
 
-    Each example's shared tokens come first, in token order, then its lowest single
-    tokens up to the common ``P`` (a cluster of one scores its own token, harmlessly).
-    ``P`` is read back to the host, so this is for eager CPU only, and only where at
-    most ``_SHARED_FRACTION`` of the tokens are shared: above that the copy costs about
-    what it saves.
+    Each example's open tokens come first, in token order, then its lowest other tokens
+    up to the common ``P``. ``P`` is read back to the host, so this is for eager CPU only,
+    and only where at most ``_SCORED_FRACTION`` of the tokens are open: above that the
+    copy costs about what it saves.
     """
-    if not _reads_back(own_members):
+    if not _reads_back(open_token):
         return None
-    B, N = own_members.shape
-    alone = own_members == 1
-    shared = N - int(alone.sum(dim=1).min())
-    if shared > _SHARED_FRACTION * N:
+    N = open_token.shape[1]
+    count = int(open_token.sum(dim=1).max())
+    if count > _SCORED_FRACTION * N:
         return None
-    return alone.to(torch.uint8).sort(dim=1, stable=True).indices[:, :shared]
+    return (~open_token).to(torch.uint8).sort(dim=1, stable=True).indices[:, :count]
 
 
 def _medoids_from_pairs(every_pair: Tensor, assign: Tensor, w: Tensor, k: int) -> Tensor:
@@ -313,9 +327,11 @@ def kmedoids_plan(
     incremental = every_pair is None and _reads_back(xc)
     table = _medoid_table(xc, sq_norms, medoids, every_pair)
     assign = nearest_medoids(table, medoids, N)
+    previous = None  # the assignment at the last update from means
     for _ in range(max_iters):
         if every_pair is None:
-            new_medoids = _medoids_from_means(xc, sq_norms, w, assign, k, medoids)
+            new_medoids = _medoids_from_means(xc, sq_norms, w, assign, k, medoids, previous)
+            previous = assign
         else:
             new_medoids = _medoids_from_pairs(every_pair, assign, w, k)
         if _settled(new_medoids, medoids):

@@ -49,12 +49,13 @@ def _between(xc: Tensor, sq_norms: Tensor, rows: Tensor, cols: Tensor) -> Tensor
     """Squared distances ``[B, R, S]`` between the tokens ``rows [B, R]`` and ``cols [B, S]``.
 
     Both sets are copied out of ``xc`` for the product, unless one holds more than half of
-    the tokens (the medoids, when a block removes a few): then the other set is
-    multiplied against all tokens in place and the wanted columns are picked, which
-    costs about the same product without copying most of the tokens.
+    the tokens (the medoids, when a block removes a few) or the other very few (the
+    medoids that moved): then the smaller set is multiplied against all tokens in place
+    and the wanted columns are picked, which reads all tokens once instead of copying
+    many of them.
     """
     R, S, N = rows.shape[1], cols.shape[1], xc.shape[1]
-    if 2 * max(R, S) <= N:
+    if 2 * max(R, S) <= N and 8 * min(R, S) > N:
         return pairwise_sq_dists(
             _tokens(xc, rows),
             _tokens(xc, cols),
