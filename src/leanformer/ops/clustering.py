@@ -35,7 +35,7 @@ from leanformer.ops.medoid_distances import (
     medoid_distances,
     nearest_medoids,
 )
-from leanformer.ops.segment_sum import flat_rows, row_table, segment_sum
+from leanformer.ops.segment_sum import flat_rows, segment_sum
 from leanformer.ops.token_distances import centred, pairwise_sq_dists, token_sq_dists
 from leanformer.ops.token_selection import gather_tokens
 
@@ -382,14 +382,13 @@ def kmeans_plan(
     and :func:`cluster_mean` returns that centre. ``K >= N`` is the identity plan.
     """
     _check(x, k, weights)
-    B, N, C = x.shape
+    B, N, _ = x.shape
     if k >= N:
         return _identity_plan(x, medoids=False)
     seeds = _default_init(init, weights, k, N, B, x.device)
     xc = centred(x.detach())
     w = _weights(x, weights, xc.dtype)
-    table, step = row_table(xc)
-    centers = table.index_select(0, flat_rows(seeds, step)).view(B, k, C)
+    centers = gather_tokens(xc, seeds)
     assign = _nearest_center(xc, centers).scatter(1, seeds, torch.arange(k, device=x.device).expand(B, k))
     for _ in range(max_iters):
         means, w_sum = weighted_segment_mean(xc, w, assign, k)

@@ -25,8 +25,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from leanformer.ops.segment_sum import flat_rows, row_table
+from leanformer.ops.segment_sum import flat_rows
 from leanformer.ops.token_distances import pairwise_sq_dists
+from leanformer.ops.token_selection import gather_tokens
 
 
 class MedoidDistances(NamedTuple):
@@ -36,13 +37,6 @@ class MedoidDistances(NamedTuple):
 
     others: Tensor
     dists: Tensor
-
-
-def _tokens(xc: Tensor, index: Tensor) -> Tensor:
-    """Rows ``index [B, P]`` of ``xc [B, N, C]`` -> ``[B, P, C]`` (whole-row copies)."""
-    B, _, C = xc.shape
-    table, step = row_table(xc)
-    return table.index_select(0, flat_rows(index, step)).view(B, -1, C)
 
 
 def _between(xc: Tensor, sq_norms: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
@@ -57,13 +51,15 @@ def _between(xc: Tensor, sq_norms: Tensor, rows: Tensor, cols: Tensor) -> Tensor
     R, S, N = rows.shape[1], cols.shape[1], xc.shape[1]
     if 2 * max(R, S) <= N and 8 * min(R, S) > N:
         return pairwise_sq_dists(
-            _tokens(xc, rows),
-            _tokens(xc, cols),
+            gather_tokens(xc, rows),
+            gather_tokens(xc, cols),
             x_sq_norms=sq_norms.gather(1, rows),
             y_sq_norms=sq_norms.gather(1, cols),
         )
     few, many = (rows, cols) if R <= S else (cols, rows)
-    to_all = pairwise_sq_dists(_tokens(xc, few), xc, x_sq_norms=sq_norms.gather(1, few), y_sq_norms=sq_norms)
+    to_all = pairwise_sq_dists(
+        gather_tokens(xc, few), xc, x_sq_norms=sq_norms.gather(1, few), y_sq_norms=sq_norms
+    )
     picked = to_all.gather(2, many[:, None, :].expand(-1, few.shape[1], -1))
     return picked if R <= S else picked.transpose(1, 2)
 
