@@ -10,6 +10,10 @@ medians over runs:
 - ``deit_small``: ``deit_small`` at ``deit_s_level3``: ``wkmedoids`` and ``merge`` against
   ``none``, at ``--deit-batches`` (default 1 and 32). Goals: wkmedoids at least 0.95x
   merge's img/s; speedup at least 0.9x the FLOPs ratio at batch 32.
+- ``reducers``: every reducer of ``deit_small`` at ``deit_s_level3`` (``wkmedoids`` and
+  ``merge``), each called on the inputs it got in one forward of the model (the strided
+  token views a block hands over, their sizes and scores), at ``--deit-batches``: where
+  the two methods' reduction costs differ, layer by layer.
 - ``layer``: one weighted K-Medoids layer (batch 32, N = 197 with the class token,
   C = 384, K = 98, 5 iterations; ``--layer-shape 8,785,392`` for the 448-px case) as a
   fraction of one DeiT-S block on the same input. Goal: at most 5% eager, 3% compiled.
@@ -46,6 +50,7 @@ from leanformer.bench.results import write_jsonl
 from leanformer.bench.timing import time_interleaved
 from leanformer.commands.demo_tokenpool import DIGITS_SWEEP
 from leanformer.layers.block import Block
+from leanformer.layers.reducer import TokenReducer
 from leanformer.layers.token_pooling import build_reducers
 from leanformer.models.registry import create_model
 
@@ -131,6 +136,64 @@ def bench_deit_small(args: argparse.Namespace) -> list[dict[str, Any]]:
         rows += compare_models(
             "deit_small", models, torch.randn(batch, 3, 224, 224), baseline="none", args=args
         )
+    return rows
+
+
+def _recorded_reducer_calls(model: nn.Module, x: Tensor) -> list[tuple[nn.Module, tuple[Any, ...]]]:
+    """Every reducer of ``model`` with the arguments it was called with in one forward on ``x``."""
+    calls: list[tuple[nn.Module, tuple[Any, ...]]] = []
+    hooks = [
+        module.register_forward_pre_hook(lambda mod, inputs: calls.append((mod, inputs)))
+        for module in model.modules()
+        if isinstance(module, TokenReducer)
+    ]
+    with torch.inference_mode():
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    return calls
+
+
+def _reducer_row(
+    method: str, batch: int, layer: int | str, tokens: tuple[int, int] | None, seconds: float
+) -> dict[str, Any]:
+    tokens_in, tokens_out = tokens or (None, None)
+    return {
+        "part": "reducers",
+        "name": method,
+        "batch": batch,
+        "layer": layer,
+        "tokens_in": tokens_in,
+        "tokens_out": tokens_out,
+        "ms": seconds * 1e3,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def bench_reducers(args: argparse.Namespace) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    base = create_model("deit_small").eval()
+    models = {}
+    for method in ("wkmedoids", "merge"):
+        model = create_model("deit_small", pool=method, keep="deit_s_level3", carry=True)
+        model.load_state_dict(base.state_dict())
+        models[method] = model.eval()
+    rows = []
+    for batch in args.deit_batches:
+        x = torch.randn(batch, 3, 224, 224)
+        fns: dict[tuple[str, int], Callable[[], Any]] = {}
+        shapes: dict[tuple[str, int], tuple[int, int]] = {}
+        for method, model in models.items():
+            for layer, (reducer, inputs) in enumerate(_recorded_reducer_calls(model, x)):
+                fns[method, layer] = lambda r=reducer, a=inputs: r(*a)
+                with torch.inference_mode():
+                    shapes[method, layer] = (inputs[0].shape[1], reducer(*inputs)[0].shape[1])
+        with torch.inference_mode():
+            seconds = time_interleaved(fns, warmup=args.warmup, runs=args.runs)
+        for method in models:
+            layers = [key for key in fns if key[0] == method]
+            rows += [_reducer_row(method, batch, key[1], shapes[key], seconds[key]) for key in layers]
+            rows.append(_reducer_row(method, batch, "all", None, sum(seconds[key] for key in layers)))
     return rows
 
 
@@ -225,6 +288,7 @@ FASHION_BUDGETS = (0.97, 0.9, 0.8, 0.68, 0.62, 0.5)
 PARTS = {
     "digits": bench_digits,
     "deit_small": bench_deit_small,
+    "reducers": bench_reducers,
     "layer": bench_layer,
     "sret": bench_sret,
     "fashion": bench_fashion,
