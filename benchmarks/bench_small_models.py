@@ -123,7 +123,9 @@ def bench_digits(args: argparse.Namespace) -> list[dict[str, Any]]:
     return compare_models("digits", models, x, baseline="none", args=args, extra=extra)
 
 
-def bench_deit_small(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _deit_small_level3() -> dict[str, nn.Module]:
+    """``deit_small`` unpooled (``none``) and with ``wkmedoids`` and ``merge`` at
+    ``deit_s_level3``, all holding the same weights, in eval mode."""
     torch.manual_seed(0)
     base = create_model("deit_small").eval()
     models: dict[str, nn.Module] = {"none": base}
@@ -131,6 +133,11 @@ def bench_deit_small(args: argparse.Namespace) -> list[dict[str, Any]]:
         model = create_model("deit_small", pool=method, keep="deit_s_level3", carry=True)
         model.load_state_dict(base.state_dict())
         models[method] = model.eval()
+    return models
+
+
+def bench_deit_small(args: argparse.Namespace) -> list[dict[str, Any]]:
+    models = _deit_small_level3()
     rows = []
     for batch in args.deit_batches:
         rows += compare_models(
@@ -171,13 +178,7 @@ def _reducer_row(
 
 
 def bench_reducers(args: argparse.Namespace) -> list[dict[str, Any]]:
-    torch.manual_seed(0)
-    base = create_model("deit_small").eval()
-    models = {}
-    for method in ("wkmedoids", "merge"):
-        model = create_model("deit_small", pool=method, keep="deit_s_level3", carry=True)
-        model.load_state_dict(base.state_dict())
-        models[method] = model.eval()
+    models = {name: model for name, model in _deit_small_level3().items() if name != "none"}
     rows = []
     for batch in args.deit_batches:
         x = torch.randn(batch, 3, 224, 224)
