@@ -421,6 +421,34 @@ def test_weighted_mean_and_sizes() -> None:
     )
 
 
+def test_kmeans_cluster_emptied_mid_run_keeps_its_centre_on_every_path(monkeypatch) -> None:
+    """A cluster that loses every member keeps its previous centre; eager CPU, which skips
+    that guard when no cluster is empty, gives the plan of the path that always applies it."""
+    from leanformer.ops import clustering
+
+    emptied = []
+    segment_mean = clustering.weighted_segment_mean
+
+    def watched(*args):
+        means, w_sum = segment_mean(*args)
+        emptied.append(bool((w_sum == 0).any()))
+        return means, w_sum
+
+    monkeypatch.setattr(clustering, "weighted_segment_mean", watched)
+    g = torch.Generator().manual_seed(1379)  # found by search: a cluster empties on the way
+    x = torch.randn(1, 10, 2, generator=g, dtype=torch.float64)
+    init = torch.tensor([[0, 5, 2, 6]])
+    kmeans_plan(x, 4, init=init, max_iters=10)
+    assert any(emptied) and not all(emptied)
+    for iters in range(1, 11):  # stopped at every iteration, the emptied one included
+        plan = kmeans_plan(x, 4, init=init, max_iters=iters)
+        with monkeypatch.context() as m:
+            m.setattr(clustering, "_reads_back", lambda t: False)
+            guarded = kmeans_plan(x, 4, init=init, max_iters=iters)
+        assert torch.equal(plan.assign, guarded.assign)
+        assert torch.equal(plan.centers, guarded.centers)
+
+
 def test_empty_kmeans_cluster_returns_its_centre() -> None:
     x = torch.tensor([[[0.0], [0.1], [5.0]]])
     centers = torch.tensor([[[0.05], [99.0]]])

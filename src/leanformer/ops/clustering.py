@@ -358,10 +358,11 @@ def weighted_segment_mean(x: Tensor, w: Tensor, assign: Tensor, k: int) -> tuple
     return total / w_sum.clamp_min(torch.finfo(w.dtype).tiny)[..., None], w_sum
 
 
-def _nearest_center(x: Tensor, centers: Tensor) -> Tensor:
-    """``x [B, N, C]``, ``centers [B, K, C]`` -> the nearest centre of every token ``[B, N]``
-    (the first on ties)."""
-    return pairwise_sq_dists(x, centers).argmin(dim=2)
+def _nearest_center(x: Tensor, centers: Tensor, x_sq_norms: Tensor) -> Tensor:
+    """``x [B, N, C]`` (``x_sq_norms [B, N]``: its ``|x|^2``), ``centers [B, K, C]`` -> the
+    nearest centre of every token ``[B, N]`` (the first on ties)."""
+    # min(...).indices: the same first minimum as argmin, in half the time on CPU.
+    return pairwise_sq_dists(x, centers, x_sq_norms=x_sq_norms).min(dim=2).indices
 
 
 @torch.no_grad()
@@ -389,11 +390,16 @@ def kmeans_plan(
     xc = centred(x.detach())
     w = _weights(x, weights, xc.dtype)
     centers = gather_tokens(xc, seeds)
-    assign = _nearest_center(xc, centers).scatter(1, seeds, torch.arange(k, device=x.device).expand(B, k))
+    sq_norms = (xc * xc).sum(-1)  # the tokens' |x|^2, the same for every assignment
+    assign = _nearest_center(xc, centers, sq_norms)
+    assign = assign.scatter(1, seeds, torch.arange(k, device=x.device).expand(B, k))
     for _ in range(max_iters):
         means, w_sum = weighted_segment_mean(xc, w, assign, k)
-        centers = torch.where(w_sum[..., None] > 0, means, centers)
-        new_assign = _nearest_center(xc, centers)
+        kept = w_sum > 0
+        # Where reading it back is free, a pass over the centres is saved when none is empty.
+        everyone = _reads_back(kept) and bool(kept.all())
+        centers = means if everyone else torch.where(kept[..., None], means, centers)
+        new_assign = _nearest_center(xc, centers, sq_norms)
         if _settled(new_assign, assign):
             break
         assign = new_assign
