@@ -390,15 +390,17 @@ def kmeans_plan(
     xc = centred(x.detach())
     w = _weights(x, weights, xc.dtype)
     centers = gather_tokens(xc, seeds)
-    sq_norms = (xc * xc).sum(-1)  # the tokens' |x|^2, the same for every assignment
+    # The tokens' |x|^2, the same for every assignment; computed as pairwise_sq_dists
+    # would, so the distances keep their rounding.
+    sq_norms = (xc * xc).sum(-1)
     assign = _nearest_center(xc, centers, sq_norms)
     assign = assign.scatter(1, seeds, torch.arange(k, device=x.device).expand(B, k))
     for _ in range(max_iters):
         means, w_sum = weighted_segment_mean(xc, w, assign, k)
         kept = w_sum > 0
         # Where reading it back is free, a pass over the centres is saved when none is empty.
-        everyone = _reads_back(kept) and bool(kept.all())
-        centers = means if everyone else torch.where(kept[..., None], means, centers)
+        none_empty = _reads_back(kept) and bool(kept.all())
+        centers = means if none_empty else torch.where(kept[..., None], means, centers)
         new_assign = _nearest_center(xc, centers, sq_norms)
         if _settled(new_assign, assign):
             break
