@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanformer.ops.segment_sum import flat_rows, row_table, segment_sum
+from leanformer.ops.segment_sum import flat_rows, marked_first, row_table, segment_sum
 
 
 def _ref(values: torch.Tensor, segment: torch.Tensor, s: int, weights: torch.Tensor | None) -> torch.Tensor:
@@ -88,3 +88,15 @@ def test_prefix_stripped_view_sums_and_gradients() -> None:
         segment_sum(base[:, 1:], segment[:1], 4, weights[:1], examples=examples),
         _ref(base[1:, 1:].detach(), segment[:1], 4, weights[:1].detach()),
     )
+
+
+def test_marked_first_lists_marked_entries_then_the_rest_each_in_order() -> None:
+    g = torch.Generator().manual_seed(0)
+    marked = torch.rand(6, 17, generator=g) < 0.3
+    marked[0] = False  # a row with none marked
+    marked[1] = True  # and one with all
+    for count in (0, 5, 17):
+        got = marked_first(marked, count)
+        for row, flags in zip(got.tolist(), marked.tolist(), strict=True):
+            ref = [i for i, f in enumerate(flags) if f] + [i for i, f in enumerate(flags) if not f]
+            assert row == ref[:count]

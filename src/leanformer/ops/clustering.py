@@ -35,7 +35,7 @@ from leanformer.ops.medoid_distances import (
     medoid_distances,
     nearest_medoids,
 )
-from leanformer.ops.segment_sum import flat_rows, segment_sum
+from leanformer.ops.segment_sum import flat_rows, marked_first, segment_sum
 from leanformer.ops.token_distances import centred, pairwise_sq_dists, token_sq_dists
 from leanformer.ops.token_selection import gather_tokens
 
@@ -270,7 +270,7 @@ def _tokens_to_score(open_token: Tensor) -> Tensor | None:
     count = int(open_token.sum(dim=1).max())
     if count > _SCORED_FRACTION * N:
         return None
-    return (~open_token).to(torch.uint8).sort(dim=1, stable=True).indices[:, :count]
+    return marked_first(open_token, count)
 
 
 def _medoids_from_pairs(every_pair: Tensor, assign: Tensor, w: Tensor, k: int) -> Tensor:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from leanformer.ops.segment_sum import flat_rows
+from leanformer.ops.segment_sum import flat_rows, marked_first
 from leanformer.ops.token_distances import pairwise_sq_dists
 from leanformer.ops.token_selection import gather_tokens
 
@@ -67,9 +67,8 @@ def _between(xc: Tensor, sq_norms: Tensor, rows: Tensor, cols: Tensor) -> Tensor
 def non_medoids(medoids: Tensor, num_tokens: int) -> Tensor:
     """The ``N - K`` tokens that are not in ``medoids [B, K]``, in token order -> ``[B, N - K]``."""
     B, k = medoids.shape
-    is_medoid = torch.zeros(B, num_tokens, dtype=torch.uint8, device=medoids.device).scatter_(1, medoids, 1)
-    # A stable sort puts the zeros (the other tokens) first, in token order.
-    return is_medoid.sort(dim=1, stable=True).indices[:, : num_tokens - k]
+    other = torch.ones(B, num_tokens, dtype=torch.bool, device=medoids.device).scatter_(1, medoids, False)
+    return marked_first(other, num_tokens - k)
 
 
 def medoid_distances(xc: Tensor, sq_norms: Tensor, medoids: Tensor) -> MedoidDistances:
@@ -102,7 +101,7 @@ def after_moves(
     # Each example's moved slots first. An example with fewer repeats its first write in
     # the remaining slots (or, with none, rewrites column 0 as it is): every write is
     # then needed or changes nothing, and writes to one place carry one value.
-    slots = moved.to(torch.uint8).sort(dim=1, descending=True, stable=True).indices[:, :most]
+    slots = marked_first(moved, most)
     real = moved.gather(1, slots)
     any_moved = real[:, :1]
     column_of = torch.zeros(B, xc.shape[1], dtype=torch.long, device=old.device)

@@ -33,6 +33,13 @@ def flat_rows(index: Tensor, k: int, examples: Tensor | None = None) -> Tensor:
     return (index + examples[:, None] * k).flatten()
 
 
+def marked_first(marked: Tensor, count: int) -> Tensor:
+    """Per row of ``marked [B, N]`` (bool), the indices of its marked entries in order,
+    then of its other entries in order: the first ``count`` -> ``[B, count]``. A stable
+    sort, so equal rows give equal indices."""
+    return (~marked).to(torch.uint8).sort(dim=1, stable=True).indices[:, :count]
+
+
 def row_table(x: Tensor) -> tuple[Tensor, int]:
     """``x [B, N, D]`` as a 2-D table of rows and the number of rows between examples:
     row ``i`` of example ``b`` is row ``b * step + i`` of the table (see :func:`flat_rows`).
