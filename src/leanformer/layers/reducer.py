@@ -2,9 +2,10 @@
 
 A reducer sees only the tokens it may touch: the block splits off the prefix
 (class, distillation and register tokens), calls the reducer on the rest, and puts
-the prefix back in front. Shapes: ``tokens [B, N, C]``, ``sizes [B, N]`` (or None when
-sizes are not tracked), ``received [B, N]`` (attention received, or None when the
-reducer does not ask for it).
+the prefix back in front. Shapes: ``tokens [B, N, C]``, ``sizes [B, N]`` (or None:
+every token has size 1, because sizes are not tracked or no reduction has changed
+them yet), ``received [B, N]`` (attention received, or None when the reducer does not
+ask for it).
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ Methods (``method=`` of :func:`build_reducers`, ``pool=`` of the DeiT models):
 Carry (appendix E): with ``carry=True`` (or whenever sizes come in) every output token
 has a size, the sum of the sizes of the input tokens it stands for (selected tokens keep
 their own size); attention in later blocks adds ``log(size)`` to that key's logits.
+Sizes of None stand for all ones: a selection keeps them None (every kept token still
+has size 1), so later blocks skip a bias that would add 0 to every logit.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class _Reducer(nn.Module):
     """
 
     needs_received: bool = False
+    # Whether every output token is one input token (a selection): all-ones sizes in, all
+    # ones out, so implicit sizes (None) can stay implicit.
+    keeps_input_tokens: bool = False
 
     def __init__(self, *, keep: Budget, carry: bool = False) -> None:
         super().__init__()
@@ -78,7 +83,7 @@ class _Reducer(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         B, N, _ = tokens.shape
         track = self.carry or sizes is not None
-        if track and sizes is None:
+        if track and sizes is None and not self.keeps_input_tokens:
             sizes = tokens.new_ones(B, N)
         if self.needs_received and received is None:
             raise ValueError(f"{type(self).__name__} needs the attention received (significance scores)")
@@ -206,8 +211,11 @@ class ClusterPooling(_Seeded, _Reducer):
 class TokenSelection(_Seeded, _Reducer):
     """Keep K of the tokens: ``"topk"`` by score (PoWER-BERT), ``"random"``, ``"importance"``.
 
-    Kept tokens stay in their original order and keep their own sizes.
+    Kept tokens stay in their original order and keep their own sizes; sizes that come in
+    as None (all ones) go out as None, with or without carry.
     """
+
+    keeps_input_tokens = True
 
     def __init__(self, *, keep: Budget, mode: str = "topk", carry: bool = False, seed: int = 0) -> None:
         super().__init__(keep=keep, carry=carry)
