@@ -374,6 +374,58 @@ def test_examples_that_settle_early_drop_out_without_changing_the_others(iters: 
         assert torch.equal(full.medoids[b], one.medoids[0])
 
 
+def _halve(x: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step with a fixed point (0) that counts how often it ran."""
+    half = x // 2
+    return half, steps + 1, (half != x).any()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_repeating_stops_after_the_first_step_that_changes_nothing(compiled: bool) -> None:
+    """5 -> 2 -> 1 -> 0 -> 0: the fourth step changes nothing, and no step runs after it,
+    eager (the flag read back) and compiled for the CPU (a branch in the graph)."""
+    from leanformer.ops.clustering import _repeat_while_changing
+
+    def repeat(x: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return _repeat_while_changing(_halve, (x, steps), 10)
+
+    fn = torch.compile(repeat, fullgraph=True, backend="aot_eager") if compiled else repeat
+    x, steps = fn(torch.tensor([5]), torch.tensor(0))
+    assert x.item() == 0 and steps.item() == 4
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    ("fn", "n", "c", "k", "seed"),
+    [(kmedoids_plan, 24, 3, 8, 15), (kmedoids_plan, 12, 16, 6, 55), (kmeans_plan, 24, 3, 8, 40)],
+    ids=["kmedoids-means-form", "kmedoids-pairs-form", "kmeans"],
+)
+@pytest.mark.parametrize("iters", [2, 10])
+def test_compiled_plans_equal_eager(fn, n: int, c: int, k: int, seed: int, iters: int) -> None:
+    """Compiled, the iterations after the fixed point are skipped in the graph (and eager
+    stops there): both give the plan of ``max_iters``, stopped while the plan still
+    changes (2) or past its fixed point (10). Tokens close to a line, seeds found by
+    search: the plan changes in the first 4-7 iterations."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, n, c, generator=g)
+    x[..., 1:] *= 0.05
+    w = torch.rand(3, n, generator=g) + 0.1
+
+    def plan(x: torch.Tensor, w: torch.Tensor) -> ClusterPlan:
+        return fn(x, k, weights=w, max_iters=iters)
+
+    eager = plan(x, w)
+    assert not torch.equal(eager.assign, fn(x, k, weights=w, max_iters=1).assign)  # it moves
+    compiled = torch.compile(plan, fullgraph=True, backend="aot_eager")(x, w)
+    torch._dynamo.reset()
+    assert torch.equal(compiled.assign, eager.assign)
+    if eager.medoids is not None:
+        assert compiled.medoids is not None and torch.equal(compiled.medoids, eager.medoids)
+    else:
+        assert compiled.centers is not None and eager.centers is not None
+        torch.testing.assert_close(compiled.centers, eager.centers, rtol=0, atol=1e-6)
+
+
 # -------------------------------------------------------------------------- invariants
 
 

@@ -58,7 +58,10 @@ class TokenPooling(nn.Module):
         self.options = dict(options or {})
         self._keep = keep
         self.reducers = self._as_module_dict(reducers)
-        self.sizes: Tensor | None = None
+        # The sizes live in a dict entry, not an attribute: torch.compile (2.14) loses an
+        # attribute stored before a later torch.cond, which the clusterings use compiled
+        # (benchmarks/repro_dynamo_cond_attribute.py).
+        self._carried: dict[str, Tensor | None] = {"sizes": None}
         self.overrides: list[tuple[nn.Module, str]] = []
         # Follows the model's device, so reducers rebuilt for a new budget land there too.
         self.register_buffer("_device_anchor", torch.empty(0), persistent=False)
@@ -75,6 +78,15 @@ class TokenPooling(nn.Module):
         key = str(index)
         # Every entry passed the TokenReducer check in _as_module_dict.
         return cast(TokenReducer, self.reducers[key]) if key in self.reducers else None
+
+    @property
+    def sizes(self) -> Tensor | None:
+        """Token sizes after the last block of the latest forward (``[B, N'] | None``)."""
+        return self._carried["sizes"]
+
+    @sizes.setter
+    def sizes(self, value: Tensor | None) -> None:
+        self._carried["sizes"] = value
 
     @property
     def keep(self) -> KeepSchedule | None:

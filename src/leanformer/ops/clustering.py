@@ -10,10 +10,12 @@ Clustering is split, as in ToMe, into a *plan* and its *application*:
 - :func:`cluster_sizes` sums token sizes per cluster (the "carry" of appendix E).
 
 Shapes: tokens ``x [B, N, C]``, weights ``w [B, N]`` (positive), ``K`` clusters. Every
-step is batched over examples and vectorised over tokens and clusters, and runs a fixed
-number of iterations with no host synchronisation, so the plans compile with
-``torch.compile(fullgraph=True)``. A converged example needs no masking: a K-Means or
-K-Medoids state that no longer changes is a fixed point of the next iteration too.
+step is batched over examples and vectorised over tokens and clusters, with no host
+synchronisation, so the plans compile with ``torch.compile(fullgraph=True)``. A
+converged example needs no masking: a K-Means or K-Medoids state that no longer changes
+is a fixed point of the next iteration too, so the iterations may stop there, where
+knowing it costs no device sync (:func:`_repeat_while_changing`), with the plan of all
+``max_iters``.
 
 Objective (paper eq. 13): ``sum_i w_i min_j ||x_i - c_j||^2``. Unweighted variants
 use ``w = 1``. K-Medoids keeps ``c_j`` among the tokens (medoid constraint). ``K >= N``
@@ -23,6 +25,7 @@ layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
@@ -143,6 +146,52 @@ def _settled(new: Tensor, old: Tensor) -> bool:
     ``max_iters``. The plan is the same either way: a state that no longer changes is a
     fixed point."""
     return _reads_back(new) and torch.equal(new, old)
+
+
+def _repeat_while_changing(
+    step: Callable[..., tuple[Tensor, ...]],
+    state: tuple[Tensor, ...],
+    max_iters: int,
+    inputs: tuple[Tensor, ...] = (),
+) -> tuple[Tensor, ...]:
+    """``max_iters`` times ``state = step(*state, *inputs)``; ``step`` returns the new state
+    and, last, whether it changed (a 0-d bool tensor). ``inputs``: the tensors every step
+    reads and none changes.
+
+    Once a step changes nothing the state is a fixed point, so the remaining steps are
+    skipped where that costs no device sync, with the result of running them all: eager on
+    the CPU by reading the flag, and compiled for the CPU by a branch in the graph
+    (:func:`torch.cond`, which then skips the remaining steps' work). Elsewhere (an
+    accelerator, where the branch would read the flag back) every step runs.
+    """
+    if max_iters < 1:
+        return state
+    if _reads_back(state[0]):
+        for _ in range(max_iters):
+            *new, changed = step(*state, *inputs)
+            state = tuple(new)
+            if not bool(changed):
+                break
+        return state
+    if state[0].device.type != "cpu" or not torch.compiler.is_compiling():
+        for _ in range(max_iters):
+            state = step(*state, *inputs)[:-1]
+        return state
+
+    n = len(state)
+
+    def run(*operands: Tensor) -> tuple[Tensor, ...]:
+        return step(*operands[:n], *operands[n + 1 :])
+
+    def stay(*operands: Tensor) -> tuple[Tensor, ...]:
+        # A branch's outputs may not alias its inputs.
+        return tuple(t.clone() for t in operands[: n + 1])
+
+    active = torch.ones((), dtype=torch.bool, device=state[0].device)
+    for _ in range(max_iters):
+        *new, active = torch.cond(active, run, stay, (*state, active, *inputs))
+        state = tuple(new)
+    return state
 
 
 def _identity_plan(x: Tensor, *, medoids: bool) -> ClusterPlan:
@@ -324,9 +373,30 @@ def kmedoids_plan(
     if every_pair is None:
         # One fused reduction: a third of the time of (xc * xc).sum(-1) on CPU.
         sq_norms = torch.linalg.vector_norm(xc, dim=-1).square()
-    incremental = every_pair is None and _reads_back(xc)
     table = _medoid_table(xc, sq_norms, medoids, every_pair)
     assign = nearest_medoids(table, medoids, N)
+    if not _reads_back(xc):
+        # Compiled or on an accelerator: the plain iteration, the table computed afresh.
+        # Everything a step reads comes in as an argument: a compiled graph's branch
+        # (torch.cond) takes its tensors as operands.
+        def iteration(
+            medoids: Tensor, assign: Tensor, xc: Tensor, sq_norms: Tensor, w: Tensor, *pairs: Tensor
+        ) -> tuple[Tensor, Tensor, Tensor]:
+            every_pair = pairs[0] if pairs else None
+            if every_pair is None:
+                new_medoids = _medoids_from_means(xc, sq_norms, w, assign, k, medoids)
+            else:
+                new_medoids = _medoids_from_pairs(every_pair, assign, w, k)
+            table = _medoid_table(xc, sq_norms, new_medoids, every_pair)
+            changed = (new_medoids != medoids).any()
+            return new_medoids, nearest_medoids(table, new_medoids, N), changed
+
+        inputs = (xc, sq_norms, w) if every_pair is None else (xc, sq_norms, w, every_pair)
+        medoids, assign = _repeat_while_changing(iteration, (medoids, assign), max_iters, inputs)
+        return ClusterPlan(assign=assign, medoids=medoids, centers=None)
+    # Eager on the CPU: the update stops at the fixed point before a table is made for it,
+    # and the table is kept current where medoids moved.
+    incremental = every_pair is None
     previous = None  # the assignment at the last update from means
     for _ in range(max_iters):
         if every_pair is None:
@@ -395,16 +465,20 @@ def kmeans_plan(
     sq_norms = (xc * xc).sum(-1)
     assign = _nearest_center(xc, centers, sq_norms)
     assign = assign.scatter(1, seeds, torch.arange(k, device=x.device).expand(B, k))
-    for _ in range(max_iters):
+
+    # Everything a step reads comes in as an argument (see kmedoids_plan).
+    def iteration(
+        centers: Tensor, assign: Tensor, xc: Tensor, w: Tensor, sq_norms: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         means, w_sum = weighted_segment_mean(xc, w, assign, k)
         kept = w_sum > 0
         # Where reading it back is free, a pass over the centres is saved when none is empty.
         none_empty = _reads_back(kept) and bool(kept.all())
         centers = means if none_empty else torch.where(kept[..., None], means, centers)
         new_assign = _nearest_center(xc, centers, sq_norms)
-        if _settled(new_assign, assign):
-            break
-        assign = new_assign
+        return centers, new_assign, (new_assign != assign).any()
+
+    centers, assign = _repeat_while_changing(iteration, (centers, assign), max_iters, (xc, w, sq_norms))
     # Back from centred coordinates to the tokens' own.
     offset = x.detach().to(xc.dtype).mean(dim=1, keepdim=True)
     return ClusterPlan(assign=assign, medoids=None, centers=(centers + offset).to(x.dtype))
