@@ -149,14 +149,10 @@ def _settled(new: Tensor, old: Tensor) -> bool:
 
 
 def _repeat_while_changing(
-    step: Callable[..., tuple[Tensor, ...]],
-    state: tuple[Tensor, ...],
-    max_iters: int,
-    inputs: tuple[Tensor, ...] = (),
+    step: Callable[..., tuple[Tensor, ...]], state: tuple[Tensor, ...], max_iters: int
 ) -> tuple[Tensor, ...]:
-    """``max_iters`` times ``state = step(*state, *inputs)``; ``step`` returns the new state
-    and, last, whether it changed (a 0-d bool tensor). ``inputs``: the tensors every step
-    reads and none changes.
+    """``max_iters`` times ``state = step(*state)``; ``step`` returns the new state and, last,
+    whether it changed (a 0-d bool tensor).
 
     Once a step changes nothing the state is a fixed point, so the remaining steps are
     skipped where that costs no device sync, with the result of running them all: eager on
@@ -168,28 +164,26 @@ def _repeat_while_changing(
         return state
     if _reads_back(state[0]):
         for _ in range(max_iters):
-            *new, changed = step(*state, *inputs)
+            *new, changed = step(*state)
             state = tuple(new)
             if not bool(changed):
                 break
         return state
     if state[0].device.type != "cpu" or not torch.compiler.is_compiling():
         for _ in range(max_iters):
-            state = step(*state, *inputs)[:-1]
+            state = step(*state)[:-1]
         return state
 
-    n = len(state)
+    def run(*state_and_flag: Tensor) -> tuple[Tensor, ...]:
+        return step(*state_and_flag[:-1])
 
-    def run(*operands: Tensor) -> tuple[Tensor, ...]:
-        return step(*operands[:n], *operands[n + 1 :])
-
-    def stay(*operands: Tensor) -> tuple[Tensor, ...]:
+    def stay(*state_and_flag: Tensor) -> tuple[Tensor, ...]:
         # A branch's outputs may not alias its inputs.
-        return tuple(t.clone() for t in operands[: n + 1])
+        return tuple(t.clone() for t in state_and_flag)
 
     active = torch.ones((), dtype=torch.bool, device=state[0].device)
     for _ in range(max_iters):
-        *new, active = torch.cond(active, run, stay, (*state, active, *inputs))
+        *new, active = torch.cond(active, run, stay, (*state, active))
         state = tuple(new)
     return state
 
@@ -377,12 +371,7 @@ def kmedoids_plan(
     assign = nearest_medoids(table, medoids, N)
     if not _reads_back(xc):
         # Compiled or on an accelerator: the plain iteration, the table computed afresh.
-        # Everything a step reads comes in as an argument: a compiled graph's branch
-        # (torch.cond) takes its tensors as operands.
-        def iteration(
-            medoids: Tensor, assign: Tensor, xc: Tensor, sq_norms: Tensor, w: Tensor, *pairs: Tensor
-        ) -> tuple[Tensor, Tensor, Tensor]:
-            every_pair = pairs[0] if pairs else None
+        def iteration(medoids: Tensor, assign: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             if every_pair is None:
                 new_medoids = _medoids_from_means(xc, sq_norms, w, assign, k, medoids)
             else:
@@ -391,8 +380,7 @@ def kmedoids_plan(
             changed = (new_medoids != medoids).any()
             return new_medoids, nearest_medoids(table, new_medoids, N), changed
 
-        inputs = (xc, sq_norms, w) if every_pair is None else (xc, sq_norms, w, every_pair)
-        medoids, assign = _repeat_while_changing(iteration, (medoids, assign), max_iters, inputs)
+        medoids, assign = _repeat_while_changing(iteration, (medoids, assign), max_iters)
         return ClusterPlan(assign=assign, medoids=medoids, centers=None)
     # Eager on the CPU: the update stops at the fixed point before a table is made for it,
     # and the table is kept current where medoids moved.
@@ -466,10 +454,7 @@ def kmeans_plan(
     assign = _nearest_center(xc, centers, sq_norms)
     assign = assign.scatter(1, seeds, torch.arange(k, device=x.device).expand(B, k))
 
-    # Everything a step reads comes in as an argument (see kmedoids_plan).
-    def iteration(
-        centers: Tensor, assign: Tensor, xc: Tensor, w: Tensor, sq_norms: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
+    def iteration(centers: Tensor, assign: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         means, w_sum = weighted_segment_mean(xc, w, assign, k)
         kept = w_sum > 0
         # Where reading it back is free, a pass over the centres is saved when none is empty.
@@ -478,7 +463,7 @@ def kmeans_plan(
         new_assign = _nearest_center(xc, centers, sq_norms)
         return centers, new_assign, (new_assign != assign).any()
 
-    centers, assign = _repeat_while_changing(iteration, (centers, assign), max_iters, (xc, w, sq_norms))
+    centers, assign = _repeat_while_changing(iteration, (centers, assign), max_iters)
     # Back from centred coordinates to the tokens' own.
     offset = x.detach().to(xc.dtype).mean(dim=1, keepdim=True)
     return ClusterPlan(assign=assign, medoids=None, centers=(centers + offset).to(x.dtype))
