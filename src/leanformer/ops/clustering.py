@@ -140,14 +140,6 @@ def _reads_back(t: Tensor) -> bool:
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def _settled(new: Tensor, old: Tensor) -> bool:
-    """Whether every example is at its fixed point (``new`` equals ``old``), asked only where
-    the answer reads back for free (:func:`_reads_back`); elsewhere the iterations run to
-    ``max_iters``. The plan is the same either way: a state that no longer changes is a
-    fixed point."""
-    return _reads_back(new) and torch.equal(new, old)
-
-
 def _repeat_while_changing(
     step: Callable[..., tuple[Tensor, ...]], state: tuple[Tensor, ...], max_iters: int
 ) -> tuple[Tensor, ...]:
@@ -392,7 +384,7 @@ def kmedoids_plan(
             previous = assign
         else:
             new_medoids = _medoids_from_pairs(every_pair, assign, w, k)
-        if _settled(new_medoids, medoids):
+        if torch.equal(new_medoids, medoids):  # every image at its fixed point
             break
         if incremental:
             table = after_moves(table, xc, sq_norms, medoids, new_medoids)
