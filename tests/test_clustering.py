@@ -238,7 +238,11 @@ def test_medoid_update_scoring_open_clusters_only_matches_scoring_all_tokens(
     def subset_size(assign, medoids, k, previous=None):
         seen = []
         with monkeypatch.context() as m:
-            m.setattr(clustering, "_tokens_to_score", lambda t: seen.append(t) or score(t))
+            m.setattr(
+                clustering,
+                "_tokens_to_score",
+                lambda clusters, assign: seen.append(clusters.gather(1, assign)) or score(clusters, assign),
+            )
             out = clustering._medoids_from_means(xc, sq_norms, w, assign, k, medoids, previous)
         return out, int(seen[0].sum(dim=1).max())
 

@@ -269,7 +269,7 @@ def _medoids_from_means(
         moved = (assign != previous).to(w.dtype)
         touched = w.new_zeros(B, k).scatter_add_(1, assign, moved).scatter_add_(1, previous, moved)
         open_clusters &= touched > 0
-    tokens = _tokens_to_score(open_clusters.gather(1, assign))
+    tokens = _tokens_to_score(open_clusters, assign)
     if tokens is not None and tokens.shape[1] == 0:
         return medoids  # no cluster changed since the last update
     if tokens is not None:
@@ -290,17 +290,18 @@ def _medoids_from_means(
     return best if tokens is None else torch.where(open_clusters, best, medoids)
 
 
-def _tokens_to_score(open_token: Tensor) -> Tensor | None:
-    """Token indices ``[B, P]`` holding every token of ``open_token [B, N]`` (tokens of the
-    clusters whose medoid may change), or None to score all N tokens.
+def _tokens_to_score(open_clusters: Tensor, assign: Tensor) -> Tensor | None:
+    """Token indices ``[B, P]`` holding every token of the ``open_clusters [B, K]`` (those
+    whose medoid may change; ``assign [B, N]``), or None to score all N tokens.
 
     Each example's open tokens come first, in token order, then its lowest other tokens
     up to the common ``P``. ``P`` is read back to the host, so this is for eager CPU only,
     and only where at most ``_SCORED_FRACTION`` of the tokens are open: above that the
     copy costs about what it saves.
     """
-    if not _reads_back(open_token):
+    if not _reads_back(assign):
         return None
+    open_token = open_clusters.gather(1, assign)
     N = open_token.shape[1]
     count = int(open_token.sum(dim=1).max())
     if count > _SCORED_FRACTION * N:
