@@ -14,7 +14,10 @@ times each candidate once, in turn); figures are medians.
    removes the same number ``r`` of patch tokens in every block, ``r`` chosen so the
    patched model costs about ``--flops-target`` of the unpatched GFLOPs. Reported:
    GFLOPs (multiply-adds), img/s, speedup over the unpatched model, and speedup divided
-   by the FLOPs ratio (1.0 = the time falls as much as the FLOPs).
+   by the FLOPs ratio (1.0 = the time falls as much as the FLOPs). With ``--compile``
+   every model is also compiled (``torch.compile(fullgraph=True)``, inductor) and timed
+   beside its eager self, each mode against the unpatched model in the same mode;
+   compile times are reported apart.
 3. ``memory``: peak of live tensor bytes during one forward (inference mode) at the
    largest size, per method and unpatched (:func:`leanformer.bench.memory.cpu_peak_mb`).
 
@@ -37,6 +40,7 @@ import timm
 import torch
 from torch import Tensor, nn
 
+from leanformer.bench.compiled import compile_for_inference
 from leanformer.bench.flops import count_gflops
 from leanformer.bench.memory import cpu_peak_mb
 from leanformer.bench.results import markdown_rows, write_jsonl
@@ -122,17 +126,28 @@ def build_models(image: int, methods: list[str], target: float) -> tuple[dict[st
 
 
 def model_rows(image: int, methods: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Unpatched vs each method at one input side: GFLOPs, img/s, speedup / FLOPs ratio."""
+    """Unpatched vs each method at one input side: GFLOPs, img/s, speedup / FLOPs ratio;
+    with ``--compile`` also each model compiled, against the compiled unpatched model."""
     models, remove = build_models(image, methods, args.flops_target)
     x = torch.randn(args.batch, 3, image, image)
     gflops = {name: count_gflops(m, (x[:1],)) for name, m in models.items()}
-    fns = {name: (lambda m=m: m(x)) for name, m in models.items()}
+    modes = ("eager", "compiled") if args.compile else ("eager",)
+    fns = {f"{name}|eager": (lambda m=m: m(x)) for name, m in models.items()}
+    compile_s: dict[str, float] = {}
+    if args.compile:
+        for name, model in models.items():
+            compiled, compile_s[name] = compile_for_inference(model, (x,))
+            fns[f"{name}|compiled"] = lambda m=compiled: m(x)
     with torch.inference_mode():
         t = time_interleaved(fns, warmup=1, runs=args.runs, clock=CLOCK)
-    rows = speedup_rows(t, gflops, batch=args.batch)
-    for row in rows:
-        row.update(part="models", tokens=(image // PATCH) ** 2, image=image)
-        row["remove_per_block"] = 0 if row["name"] == "none" else remove
+    rows = []
+    for mode in modes:
+        seconds = {key.split("|")[0]: s for key, s in t.items() if key.endswith(f"|{mode}")}
+        for row in speedup_rows(seconds, gflops, batch=args.batch):
+            row.update(part="models", mode=mode, tokens=(image // PATCH) ** 2, image=image)
+            row["remove_per_block"] = 0 if row["name"] == "none" else remove
+            row["compile_s"] = compile_s.get(row["name"]) if mode == "compiled" else None
+            rows.append(row)
     return rows
 
 
@@ -159,12 +174,14 @@ def bench_memory(image: int, methods: list[str], args: argparse.Namespace) -> li
 MODEL_COLS = [
     "tokens",
     "name",
+    "mode",
     "remove_per_block",
     "gflops",
     "flops_ratio",
     "img_per_s",
     "speedup",
     "speedup_over_flops_ratio",
+    "compile_s",
 ]
 
 
@@ -181,6 +198,9 @@ def main() -> None:
     p.add_argument("--flops-target", type=float, default=0.73, help="patched / unpatched GFLOPs")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--runs", type=int, default=5, help="timed runs of each model")
+    p.add_argument(
+        "--compile", action="store_true", help="models: also time each model compiled (fullgraph=True)"
+    )
     p.add_argument("--received-tokens", default="197,577,785")
     p.add_argument("--received-runs", type=int, default=15)
     add_clock_argument(p)

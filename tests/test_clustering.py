@@ -384,19 +384,22 @@ def _halve(x: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return half, steps + 1, (half != x).any()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_repeating_stops_after_the_first_step_that_changes_nothing(compiled: bool) -> None:
+@pytest.mark.parametrize("where", ["eager", "compiled", "accelerator"])
+def test_repeating_stops_after_the_first_step_that_changes_nothing(where: str, monkeypatch) -> None:
     """5 -> 2 -> 1 -> 0 -> 0: the fourth step changes nothing, and no step runs after it,
-    eager (the flag read back) and compiled for the CPU (a branch in the graph)."""
-    from leanformer.ops.clustering import _repeat_while_changing
+    eager (the flag read back) and compiled for the CPU (a branch in the graph); where
+    neither is free (an accelerator) every step runs, with the same result."""
+    from leanformer.ops import clustering
 
     def repeat(x: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _repeat_while_changing(_halve, (x, steps), 10)
+        return clustering._repeat_while_changing(_halve, (x, steps), 10)
 
-    fn = torch.compile(repeat, fullgraph=True, backend="aot_eager") if compiled else repeat
+    if where == "accelerator":
+        monkeypatch.setattr(clustering, "_reads_back", lambda t: False)
+    fn = torch.compile(repeat, fullgraph=True, backend="aot_eager") if where == "compiled" else repeat
     x, steps = fn(torch.tensor([5]), torch.tensor(0))
-    assert x.item() == 0 and steps.item() == 4
     torch._dynamo.reset()
+    assert x.item() == 0 and steps.item() == (10 if where == "accelerator" else 4)
 
 
 @pytest.mark.parametrize(
@@ -405,11 +408,18 @@ def test_repeating_stops_after_the_first_step_that_changes_nothing(compiled: boo
     ids=["kmedoids-means-form", "kmedoids-pairs-form", "kmeans"],
 )
 @pytest.mark.parametrize("iters", [2, 10])
-def test_compiled_plans_equal_eager(fn, n: int, c: int, k: int, seed: int, iters: int) -> None:
-    """Compiled, the iterations after the fixed point are skipped in the graph (and eager
-    stops there): both give the plan of ``max_iters``, stopped while the plan still
-    changes (2) or past its fixed point (10). Tokens close to a line, seeds found by
-    search: the plan changes in the first 4-7 iterations."""
+@pytest.mark.parametrize("opaque", [True, False], ids=["opaque", "traced"])
+def test_compiled_plans_equal_eager(
+    fn, n: int, c: int, k: int, seed: int, iters: int, opaque: bool, monkeypatch
+) -> None:
+    """Compiled for the CPU, a plan is one opaque call into the eager code (many tokens) or
+    traced with its iterations in ``torch.cond`` branches (few): either way the plan of
+    ``max_iters``, stopped while the plan still changes (2) or past its fixed point
+    (10), in one graph. Tokens close to a line, seeds found by search: the plan changes
+    in the first 4-7 iterations."""
+    from leanformer.ops import clustering
+
+    monkeypatch.setattr(clustering, "_OPAQUE_FROM_TOKENS", 1 if opaque else 10**9)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, n, c, generator=g)
     x[..., 1:] *= 0.05
@@ -420,8 +430,17 @@ def test_compiled_plans_equal_eager(fn, n: int, c: int, k: int, seed: int, iters
 
     eager = plan(x, w)
     assert not torch.equal(eager.assign, fn(x, k, weights=w, max_iters=1).assign)  # it moves
-    compiled = torch.compile(plan, fullgraph=True, backend="aot_eager")(x, w)
+    graphs: list[str] = []
+
+    def recording(gm: torch.fx.GraphModule, inputs: list) -> object:
+        graphs.append(gm.code)
+        return gm.forward
+
+    compiled = torch.compile(plan, fullgraph=True, backend=recording)(x, w)
     torch._dynamo.reset()
+    assert len(graphs) == 1
+    assert (f"leanformer.{fn.__name__}" in graphs[0]) == opaque
+    assert ("cond" in graphs[0]) == (not opaque)
     assert torch.equal(compiled.assign, eager.assign)
     if eager.medoids is not None:
         assert compiled.medoids is not None and torch.equal(compiled.medoids, eager.medoids)

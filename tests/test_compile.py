@@ -78,19 +78,32 @@ def _compare(model: nn.Module, x: torch.Tensor, backend: str = "inductor") -> No
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
 
 
+@pytest.fixture(params=["traced", "opaque"])
+def cpu_plans(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a CPU graph holds the clusterings and the attention scores: traced (these
+    small inputs, by default) or as opaque calls into the eager code (large inputs; here
+    forced by thresholds of 1)."""
+    if request.param == "opaque":
+        from leanformer.ops import clustering, received
+
+        monkeypatch.setattr(clustering, "_OPAQUE_FROM_TOKENS", 1)
+        monkeypatch.setattr(received, "_OPAQUE_FROM_LOGITS", 1)
+    return str(request.param)
+
+
 def test_schedule_covers_every_method() -> None:
     assert set(SCHEDULE) == set(list_methods()) - {"none"}
 
 
 @pytest.mark.slow
-def test_every_method_compiles_fullgraph_and_matches_eager_in_our_deit() -> None:
+def test_every_method_compiles_fullgraph_and_matches_eager_in_our_deit(cpu_plans: str) -> None:
     model = create_model("deit_test", depth=len(SCHEDULE) + 1, img_size=32)
     apply_reducers(model, _reducers(SCHEDULE, 64, 32, (8, 8)))
     _compare(_peaked(model), torch.randn(3, 3, 32, 32), backend="aot_eager")
 
 
 @pytest.mark.slow
-def test_reducers_compile_fullgraph_and_match_eager_through_the_timm_patch() -> None:
+def test_reducers_compile_fullgraph_and_match_eager_through_the_timm_patch(cpu_plans: str) -> None:
     """Inductor's code on the host's own block forward around our reducers: merge (which
     once returned NaN compiled here), a clustering and a selection method."""
     methods = ("merge", "wkmedoids", "powerbert")

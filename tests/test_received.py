@@ -113,8 +113,9 @@ def test_masked_keys_receive_nothing() -> None:
 
 @pytest.mark.parametrize("layout", ["eager_cpu", "compiled"])
 def test_the_whole_attention_matrix_is_never_stored(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Eager on the CPU a block is one head (a sixteenth of the matrix); compiled, 64 rows of
-    every head (a tenth)."""
+    """Eager on the CPU a block is one head (a sixteenth of the matrix); traced for an
+    accelerator, or with autograd, 64 rows of every head (a tenth). (Compiled for the CPU
+    without autograd the blocks are the eager ones, in one opaque call.)"""
     b, h, n, d = 2, 8, 640, 16
     if layout == "compiled":
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -122,10 +123,11 @@ def test_the_whole_attention_matrix_is_never_stored(layout: str, monkeypatch: py
     bias = _sizes(b, n, num_prefix=1).log()[:, None, None, :]
     matrix_mb = b * h * n * n * 4 / 2**20
     expected = BlockShape(1, 1, n) if layout == "eager_cpu" else BlockShape(b, h, 64)
-    assert default_block(q, n) == expected
+    block = default_block(q, n)
+    assert block == expected
     with torch.no_grad():
         blocked = cpu_peak_mb(
-            lambda: blocked_attention_received(q, k, v, mask=bias, dropout_p=0.0, scale=0.25)
+            lambda: blocked_attention_received(q, k, v, mask=bias, dropout_p=0.0, scale=0.25, block=block)
         )
         whole = cpu_peak_mb(
             lambda: blocked_attention_received(
@@ -138,7 +140,7 @@ def test_the_whole_attention_matrix_is_never_stored(layout: str, monkeypatch: py
     with torch.enable_grad():
         graphed = cpu_peak_mb(
             lambda: blocked_attention_received(
-                q.requires_grad_(), k, v, mask=bias, dropout_p=0.0, scale=0.25
+                q.requires_grad_(), k, v, mask=bias, dropout_p=0.0, scale=0.25, block=block
             )[1].sum()
         )
     assert graphed >= matrix_mb  # autograd keeps every block's probabilities for the backward
@@ -170,20 +172,69 @@ def test_zero_queries_or_blocks_are_clear_errors() -> None:
 
 
 @pytest.mark.slow
-def test_compiles_without_graph_breaks_and_matches_eager() -> None:
-    q, k, v = _qkv(2, 3, 50, 8)  # blocks of 32 rows: 32 + 18
+@pytest.mark.parametrize("opaque", [True, False], ids=["opaque", "traced"])
+def test_compiles_without_graph_breaks_and_matches_eager(
+    opaque: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiled for the CPU without autograd, the blocks are one opaque call into the eager
+    code (``leanformer.attention_received``, from ``_OPAQUE_FROM_LOGITS``) or traced, in
+    the one graph."""
+    from leanformer.ops import received
+
+    monkeypatch.setattr(received, "_OPAQUE_FROM_LOGITS", 1 if opaque else 10**9)
+    q, k, v = _qkv(2, 3, 50, 8)  # traced: blocks of 32 rows, 32 + 18
     sizes = _sizes(2, 50, num_prefix=1)
 
     def fn(q, k, v, sizes):
         return attention(q, k, v, sizes=sizes, return_received=True)
 
+    graphs: list[str] = []
+
+    def recording(gm: torch.fx.GraphModule, inputs: list) -> object:
+        graphs.append(gm.code)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, inputs)
+
     with torch.no_grad():
         eager = fn(q, k, v, sizes)
-        compiled = torch.compile(fn, fullgraph=True)(q, k, v, sizes)
+        compiled = torch.compile(fn, fullgraph=True, backend=recording)(q, k, v, sizes)
+    assert len(graphs) == 1 and ("leanformer.attention_received" in graphs[0]) == opaque
     torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(compiled[1], eager[1], rtol=1e-5, atol=1e-5)
     fused = F.scaled_dot_product_attention(q, k, v, attn_mask=sizes.log()[:, None, None])
     torch.testing.assert_close(eager[0], fused)
+
+
+def test_compiled_with_autograd_traces_the_blocks_and_matches_eager_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With autograd the blocks are traced into the graph (the opaque call has no
+    backward): outputs and gradients as eager."""
+    from leanformer.ops import received
+
+    monkeypatch.setattr(received, "_OPAQUE_FROM_LOGITS", 1)  # large enough for the op
+    q, k, v = (t.requires_grad_() for t in _qkv(2, 3, 50, 8))
+    sizes = _sizes(2, 50, num_prefix=1)
+    weights = torch.randn(2, 50)
+
+    def loss(q, k, v):
+        out, received = attention(q, k, v, sizes=sizes, return_received=True)
+        return out.square().sum() + (received * weights).sum()
+
+    graphs: list[str] = []
+
+    def recording(gm: torch.fx.GraphModule, inputs: list) -> object:
+        graphs.append(gm.code)
+        return gm.forward
+
+    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend=recording)(q, k, v), (q, k, v))
+    torch._dynamo.reset()
+    assert len(graphs) == 1 and "attention_received" not in graphs[0]
+    for c, e in zip(compiled, eager, strict=True):
+        # Other blocks (every item and head at once), so other float rounding.
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=5e-5)
 
 
 def test_default_block_rows_bound_memory_and_shrink_with_many_keys() -> None:
