@@ -1,17 +1,20 @@
 """Per-block keep schedules at equal GFLOPs, on the Fashion-MNIST validation split.
 
 A constant per-block keep ratio ``rho`` shrinks the tokens geometrically: at ``rho = 0.5``
-the last of ``deit_fashion``'s six blocks sees 3 of 196 patch tokens. This script tilts
-the schedule, ``rho_i = rho ** (1 + tilt * (2 i / (depth - 1) - 1))`` for block ``i``
-(``tilt < 0``: remove more in the first blocks and less in the last ones; ``tilt = 0``:
-the constant ratio), solves ``rho`` so that every schedule costs the same GFLOPs
-(``--targets``, fractions of the unpooled model's; the sweep's GFLOPs budgets,
-:mod:`leanformer.apps.gflops_budget`), and measures top-1 without
-fine-tuning on the first ``--images`` images of the validation split (the last 10,000
-training images, which the shipped model never trained on). Needs Fashion-MNIST.
+the last of ``deit_fashion``'s six blocks sees 3 of 196 patch tokens. This script shapes
+the schedule, ``rho_i = rho ** (1 + tilt * u + bend * (u ** 2 - 1 / 3))`` for block ``i``
+with ``u = 2 i / (depth - 1) - 1`` (``tilt < 0``: remove more in the first blocks and less
+in the last ones; ``bend > 0``: keep more in the middle blocks; both 0: the constant
+ratio), solves ``rho`` so that every schedule costs the same GFLOPs (``--targets``,
+fractions of the unpooled model's; the sweep's GFLOPs budgets,
+:mod:`leanformer.apps.gflops_budget`), and measures top-1 without fine-tuning on
+``--images`` images of the validation split from ``--start`` (the last 10,000 training
+images, which the shipped model never trained on). Needs Fashion-MNIST.
 
     python benchmarks/screen_schedules.py --targets 0.5,0.36,0.24 --tilts=-1.2,-0.6,0,0.6 \\
         --methods merge,stepmerge --out runs/schedules.jsonl
+    python benchmarks/screen_schedules.py --targets 0.36 --methods merge \\
+        --tilts=-1.6,-1.2,-0.8,-0.4,0 --bends=-1,-0.5,0,0.5,1
 
 Prints one JSON line per point (and appends it to ``--out``).
 """
@@ -38,8 +41,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default="0.5,0.36,0.24", help="GFLOPs fractions of the unpooled model")
     parser.add_argument("--tilts", default="-1.2,-0.9,-0.6,-0.3,0,0.3,0.6,0.9")
+    parser.add_argument("--bends", default="0")
     parser.add_argument("--methods", default="merge,stepmerge")
-    parser.add_argument("--images", type=int, default=2000, help="validation images (from the first)")
+    parser.add_argument("--start", type=int, default=0, help="first validation image used")
+    parser.add_argument("--images", type=int, default=2000, help="validation images used")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, help="append the JSON lines here too")
     args = parser.parse_args()
@@ -49,7 +54,10 @@ def main() -> None:
     depth = len(base.blocks)
     data = DataConfig(name="fashion_mnist", eval_batch_size=500, options={"validation": 10000})
     val = build_split(data, "val")
-    loader = DataLoader(Subset(val, range(min(args.images, len(val)))), batch_size=500)
+    if not 0 <= args.start < len(val) or args.images < 1:
+        parser.error(f"--start must lie in [0, {len(val)}) and --images be positive")
+    images = range(args.start, min(args.start + args.images, len(val)))
+    loader = DataLoader(Subset(val, images), batch_size=500)
     image = (torch.zeros(1, 1, 28, 28),)
     full = count_gflops(base, image)
 
@@ -60,11 +68,12 @@ def main() -> None:
         return count_gflops(variant(method, keep), image) / full
 
     print(json.dumps({"method": "none", "top1": evaluate(base, loader)["top1"], "gflops": full}), flush=True)
+    shapes = [(float(t), float(b)) for t in args.tilts.split(",") for b in args.bends.split(",")]
     for target in (float(t) for t in args.targets.split(",")):
         for method in args.methods.split(","):
-            for tilt in (float(t) for t in args.tilts.split(",")):
+            for tilt, bend in shapes:
                 keep = solve_keep_ratios(
-                    {"gflops": target, "tilt": tilt},
+                    {"gflops": target, "tilt": tilt, "bend": bend},
                     depth=depth,
                     cost=lambda ratios, method=method: cost(method, ratios),
                     name=method,
@@ -73,10 +82,11 @@ def main() -> None:
                     "target": target,
                     "method": method,
                     "tilt": tilt,
+                    "bend": bend,
                     "keep": [round(r, 4) for r in keep],
                     "gflops_fraction": round(cost(method, keep), 4),
                     "top1": evaluate(variant(method, keep), loader)["top1"],
-                    "images": len(loader.dataset),  # type: ignore[arg-type]
+                    "images": f"{images.start}-{images.stop - 1}",
                 }
                 print(json.dumps(row), flush=True)
                 if args.out is not None:

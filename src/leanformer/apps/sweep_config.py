@@ -53,12 +53,12 @@ class SweepConfig:
     # list of method names (default: every method)
     methods: Any = flag(None, "--methods", "comma-separated methods (overrides the config)", comma_list)
     # list of keep values: preset names, ratios, per-block lists, or GFLOPs budgets
-    # ({gflops: 0.5, tilt: 0}: see leanformer.apps.gflops_budget)
+    # ({gflops: 0.5, tilt: 0, bend: 0}: see leanformer.apps.gflops_budget)
     budgets: Any = flag(
         None,
         "--budget",
         "a keep value (a ratio such as 0.7, counts 12,8,4, ratios 0.5,0.5, r16 or a preset) or a "
-        "GFLOPs fraction (g0.5, or g0.36t-1.2 to tilt the schedule); repeat for several "
+        "GFLOPs fraction (g0.5; g0.36t-1.2 tilts the schedule, g0.36b1 bends it); repeat for several "
         "(overrides the config)",
         keep_value,
         repeat=True,
