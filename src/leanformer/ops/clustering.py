@@ -214,40 +214,32 @@ def _fresh(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("leanformer::kmedoids_plan", mutates_args=())
-def _kmedoids_plan_op(
-    x: Tensor, k: int, weights: Tensor | None, init: Tensor | None, max_iters: int
-) -> tuple[Tensor, Tensor]:
-    """:func:`kmedoids_plan` as one opaque call (run eagerly): ``(assign, medoids)``."""
-    plan = kmedoids_plan(x, k, weights=weights, init=init, max_iters=max_iters)
-    assert plan.medoids is not None
-    return _fresh(plan.assign), _fresh(plan.medoids)
+def _plan_as_op(name: str, *, medoids: bool) -> None:
+    """Register :func:`kmedoids_plan` (``medoids``) or :func:`kmeans_plan` as the custom op
+    ``leanformer::<name>``: one opaque call, run eagerly, returning ``(assign [B, N],
+    medoids [B, K])`` or ``(assign, centers [B, K, C])``."""
+
+    def run(
+        x: Tensor, k: int, weights: Tensor | None, init: Tensor | None, max_iters: int
+    ) -> tuple[Tensor, Tensor]:
+        plan_fn = kmedoids_plan if medoids else kmeans_plan
+        plan = plan_fn(x, k, weights=weights, init=init, max_iters=max_iters)
+        second = plan.medoids if medoids else plan.centers
+        assert second is not None
+        return _fresh(plan.assign), _fresh(second)
+
+    def shapes(
+        x: Tensor, k: int, weights: Tensor | None, init: Tensor | None, max_iters: int
+    ) -> tuple[Tensor, Tensor]:
+        B, N, C = x.shape
+        second = x.new_empty(B, min(k, N), dtype=torch.int64) if medoids else x.new_empty(B, min(k, N), C)
+        return x.new_empty(B, N, dtype=torch.int64), second
+
+    torch.library.custom_op(f"leanformer::{name}", run, mutates_args=()).register_fake(shapes)
 
 
-@_kmedoids_plan_op.register_fake
-def _(
-    x: Tensor, k: int, weights: Tensor | None, init: Tensor | None, max_iters: int
-) -> tuple[Tensor, Tensor]:
-    B, N, _ = x.shape
-    return x.new_empty(B, N, dtype=torch.int64), x.new_empty(B, min(k, N), dtype=torch.int64)
-
-
-@torch.library.custom_op("leanformer::kmeans_plan", mutates_args=())
-def _kmeans_plan_op(
-    x: Tensor, k: int, weights: Tensor | None, init: Tensor | None, max_iters: int
-) -> tuple[Tensor, Tensor]:
-    """:func:`kmeans_plan` as one opaque call (run eagerly): ``(assign, centers)``."""
-    plan = kmeans_plan(x, k, weights=weights, init=init, max_iters=max_iters)
-    assert plan.centers is not None
-    return _fresh(plan.assign), _fresh(plan.centers)
-
-
-@_kmeans_plan_op.register_fake
-def _(
-    x: Tensor, k: int, weights: Tensor | None, init: Tensor | None, max_iters: int
-) -> tuple[Tensor, Tensor]:
-    B, N, C = x.shape
-    return x.new_empty(B, N, dtype=torch.int64), x.new_empty(B, min(k, N), C)
+_plan_as_op("kmedoids_plan", medoids=True)
+_plan_as_op("kmeans_plan", medoids=False)
 
 
 def _identity_plan(x: Tensor, *, medoids: bool) -> ClusterPlan:
