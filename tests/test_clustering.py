@@ -440,13 +440,26 @@ def test_compiled_plans_equal_eager(
     torch._dynamo.reset()
     assert len(graphs) == 1
     assert (f"leanformer.{fn.__name__}" in graphs[0]) == opaque
-    assert ("cond" in graphs[0]) == (not opaque)
+    assert ("torch.ops.higher_order.cond" in graphs[0]) == (not opaque)
     assert torch.equal(compiled.assign, eager.assign)
     if eager.medoids is not None:
         assert compiled.medoids is not None and torch.equal(compiled.medoids, eager.medoids)
     else:
         assert compiled.centers is not None and eager.centers is not None
         torch.testing.assert_close(compiled.centers, eager.centers, rtol=0, atol=1e-6)
+
+
+def test_the_plan_ops_declare_what_they_return() -> None:
+    """The opaque ops' fake kernels (shapes, dtypes, strides) against their real outputs,
+    with an int32 ``init`` returned unchanged (0 iterations) and with the default starts."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 40, 8, generator=g), torch.rand(2, 40, generator=g) + 0.1
+    init = torch.stack([torch.randperm(40, generator=g)[:5] for _ in range(2)]).int()
+    for op in (torch.ops.leanformer.kmedoids_plan, torch.ops.leanformer.kmeans_plan):
+        for iters in (0, 3):
+            torch.library.opcheck(op, (x, 5, w, init, iters))
+            torch.library.opcheck(op, (x, 5, None, None, iters))
+    assert kmedoids_plan(x, 5, init=init, max_iters=0).medoids.dtype == torch.int64
 
 
 # -------------------------------------------------------------------------- invariants

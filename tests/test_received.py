@@ -237,6 +237,15 @@ def test_compiled_with_autograd_traces_the_blocks_and_matches_eager_gradients(
         torch.testing.assert_close(c, e, rtol=1e-4, atol=5e-5)
 
 
+def test_the_attention_op_declares_what_it_returns() -> None:
+    """The opaque op's fake kernel against its real outputs, with a mask that broadcasts
+    q over more items and heads."""
+    q, k, v = _qkv(1, 2, 30, 8)
+    mask = torch.randn(4, 2, 1, 30)
+    torch.library.opcheck(torch.ops.leanformer.attention_received, (q, k, v, mask, 0.3))
+    torch.library.opcheck(torch.ops.leanformer.attention_received, (q, k, v, None, 0.3))
+
+
 def test_default_block_rows_bound_memory_and_shrink_with_many_keys() -> None:
     """The layout across every item and head (compiled, or on an accelerator)."""
     from leanformer.ops.received import default_block_rows

@@ -97,7 +97,7 @@ def parse_gflops_text(text: str) -> dict[str, float] | None:
 
 def _misspelled(text: str) -> ValueError:
     return ValueError(
-        f"GFLOPs budget {text!r}: expected g<fraction>, optionally followed by t<tilt> and b<bend>, "
+        f"GFLOPs budget {text!r}: expected g<fraction>, optionally followed by t<tilt> and then b<bend>, "
         "e.g. g0.5, g0.36t-1.2 or g0.36b1"
     )
 

@@ -141,7 +141,8 @@ def _default_init(
             marked = torch.zeros(batch, num_tokens, dtype=torch.uint8).scatter_(1, init, 1)
             if int(marked.sum()) != batch * k:
                 raise ValueError("init must hold K distinct token indices per example")
-        return init
+        # A plan's medoids are int64 whatever integer type init came in (it may return them).
+        return init.long()
     if weights is not None:
         return weights.topk(k, dim=1).indices
     return torch.arange(k, device=device).expand(batch, k)

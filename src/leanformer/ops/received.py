@@ -234,7 +234,9 @@ def _compiling_for_cpu_inference(
     1.14x at 1 x 577; even at 8 x 197 (1.9M logits); the traced blocks faster by up to
     0.2 ms below that (1, 2 and 4 x 197).
     """
-    logits = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[-2]
+    # A mask may broadcast q over more items or heads (see blocked_attention_received).
+    lead = q.shape[:2] if mask is None else torch.broadcast_shapes(q.shape[:2], mask.shape[:-2][-2:])
+    logits = lead[0] * lead[1] * q.shape[2] * k.shape[-2]
     return (
         q.device.type == "cpu"
         and torch.compiler.is_compiling()
