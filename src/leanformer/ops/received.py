@@ -112,6 +112,12 @@ def _cut(mask: Tensor | None, full: torch.Size, cuts: tuple[slice, slice, slice]
     return mask.expand(items, heads, *mask.shape[2:]).flatten(0, 1)
 
 
+def _items_and_heads(q: Tensor, mask: Tensor | None) -> torch.Size:
+    """``(B, H)`` of the output: ``q``'s, broadcast with a mask's items and heads (SDPA
+    makes as many outputs as a mask with more of them asks)."""
+    return q.shape[:2] if mask is None else torch.broadcast_shapes(q.shape[:2], mask.shape[:-2][-2:])
+
+
 def _needs_graph(*tensors: Tensor | None) -> bool:
     """Whether autograd will record the block (then no op may write over its inputs)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -175,7 +181,7 @@ def blocked_attention_received(
     if mask is not None:
         # A mask with more items or heads than q, k and v (SDPA broadcasts them against
         # it) gets them expanded to its own: every block then cuts all four alike.
-        lead = torch.broadcast_shapes(q.shape[:2], mask.shape[:-2][-2:])
+        lead = _items_and_heads(q, mask)
         q, k, v = (t.expand(*lead, *t.shape[2:]) for t in (q, k, v))
     batch, heads, num_queries, head_dim = q.shape
     num_keys = k.shape[-2]
@@ -234,9 +240,8 @@ def _compiling_for_cpu_inference(
     1.14x at 1 x 577; even at 8 x 197 (1.9M logits); the traced blocks faster by up to
     0.2 ms below that (1, 2 and 4 x 197).
     """
-    # A mask may broadcast q over more items or heads (see blocked_attention_received).
-    lead = q.shape[:2] if mask is None else torch.broadcast_shapes(q.shape[:2], mask.shape[:-2][-2:])
-    logits = lead[0] * lead[1] * q.shape[2] * k.shape[-2]
+    items, heads = _items_and_heads(q, mask)
+    logits = items * heads * q.shape[2] * k.shape[-2]
     return (
         q.device.type == "cpu"
         and torch.compiler.is_compiling()
@@ -259,6 +264,5 @@ def _attention_received_op(
 
 @_attention_received_op.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
-    lead = q.shape[:2] if mask is None else torch.broadcast_shapes(q.shape[:2], mask.shape[:-2][-2:])
-    batch, heads = lead
+    batch, heads = _items_and_heads(q, mask)
     return q.new_empty(batch, q.shape[-2], heads, v.shape[-1]), q.new_empty(batch, k.shape[-2])
