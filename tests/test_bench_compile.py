@@ -48,6 +48,16 @@ def test_bench_model_times_the_compiled_model_and_reports_compile_time(monkeypat
     assert set(row) == set(eager)
 
 
+def test_compiled_on_the_cpu_gives_no_memory_figure_rather_than_a_wrong_one(monkeypatch) -> None:
+    """The CPU profiler does not see the buffers compiled code allocates (a whole compiled
+    DeiT measured a few bytes), so a compiled CPU row says None; eager rows keep theirs."""
+    monkeypatch.setattr(compiled_module, "compile_model", lambda model: model)
+    x = torch.randn(2, 3)
+    eager = bench_model(Affine(), (x,), warmup=0, runs=1, memory=True)
+    assert eager["peak_mem_mb"] is not None and eager["peak_mem_mb"] > 0
+    assert bench_model(Affine(), (x,), warmup=0, runs=1, memory=True, compile=True)["peak_mem_mb"] is None
+
+
 def test_any_number_of_models_compile_in_one_process() -> None:
     """Each model of another shape is another compiled version of the forwards they share;
     dynamo's default limit of 8 versions made the ninth a hard error with fullgraph=True.

@@ -160,6 +160,8 @@ def _print(args: argparse.Namespace, name: str, row: dict[str, Any]) -> None:
         # Tensor bytes the forward pass allocates above what was live before it, at their
         # peak: weights and the process's own memory are not in it.
         mem_text = f", forward activations peak {mem:.2f} MB" if mem is not None else ""
+        if mem is None and row["compile_s"] is not None and not args.no_memory:
+            mem_text = ", memory not measured (compiled, on the CPU)"
         compiled = row["compile_s"]
         compile_text = f", compiled in {compiled:.1f} s (not in img/s)" if compiled is not None else ""
         print(
