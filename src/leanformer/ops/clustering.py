@@ -166,7 +166,12 @@ def _opaque_when_compiled(x: Tensor) -> bool:
     work), the traced plan 0.15-0.2 ms faster at 1 x 196 (0.6-0.8 ms in all).
     """
     B, N, _ = x.shape
-    return x.device.type == "cpu" and torch.compiler.is_compiling() and B * N >= _OPAQUE_FROM_TOKENS
+    return _compiling_for_cpu(x) and B * N >= _OPAQUE_FROM_TOKENS
+
+
+def _compiling_for_cpu(t: Tensor) -> bool:
+    """Whether ``t`` is being traced for the CPU (where a graph branch costs no device sync)."""
+    return t.device.type == "cpu" and torch.compiler.is_compiling()
 
 
 def _repeat_while_changing(
@@ -190,7 +195,7 @@ def _repeat_while_changing(
             if not bool(changed):
                 break
         return state
-    if state[0].device.type != "cpu" or not torch.compiler.is_compiling():
+    if not _compiling_for_cpu(state[0]):
         for _ in range(max_iters):
             state = step(*state)[:-1]
         return state

@@ -18,9 +18,9 @@ Two block layouts (:func:`default_block`):
   ``2**20`` logits, the graph calls this eager code as one opaque op
   (``torch.ops.leanformer.attention_received``), so it keeps these blocks.
 - **On an accelerator, or traced (compiled with autograd or fewer logits): every item
-  and head, a block of queries.** The loop over blocks is unrolled into the graph or launched as kernels,
-  so blocks are few: at most ``4 * head_dim`` queries, about ``2**16 / Nk`` with many
-  keys.
+  and head, a block of queries.** The loop over blocks is unrolled into the graph or
+  launched as kernels, so blocks are few: at most ``4 * head_dim`` queries, about
+  ``2**16 / Nk`` with many keys.
 
 In both, a block holds no more numbers than the MLP's hidden activations
 (``[B, N, 4 C]``) of a block with the same token count, and outside autograd the softmax
