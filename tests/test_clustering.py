@@ -82,6 +82,17 @@ def ref_weighted_means(x: torch.Tensor, a: list[int], w: list[float], k: int) ->
     return torch.stack(out)
 
 
+@pytest.fixture(autouse=True, params=["kernel", "batched"])
+def eager_kmedoids(request, monkeypatch) -> str:
+    """Every test runs twice: eager CPU K-Medoids with its C++ iterations, and without
+    them (the batched PyTorch code, as in a package built without a compiler)."""
+    from leanformer.ops import kmedoids_native
+
+    if request.param == "batched":
+        monkeypatch.setattr(kmedoids_native, "_kernel", None)
+    return request.param
+
+
 def _data(b: int = 3, n: int = 13, c: int = 5, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, n, c, generator=g, dtype=torch.float64)
@@ -172,7 +183,7 @@ def test_a_cluster_of_weight_zero_takes_its_lowest_index_as_medoid() -> None:
 
 @pytest.mark.parametrize("weighted", [False, True])
 def test_distances_for_moved_medoids_only_give_the_plan_of_all_pairs(weighted: bool, monkeypatch) -> None:
-    """Eager CPU recomputes the distances of the medoids that moved; compiled and
+    """Eager CPU (C++) recomputes the distances of the medoids that moved; compiled and
     accelerator runs compute them afresh. Same plans, on data where many medoids move."""
     from leanformer.ops import clustering
 
@@ -204,79 +215,15 @@ def test_medoid_updates_from_means_and_from_pairs_agree(weighted: bool) -> None:
         for k in (2, 7, n // 2, n - 1):
             assign = torch.randint(0, k, (6, n), generator=torch.Generator().manual_seed(k))
             assign[:, :k] = torch.arange(k)  # no empty cluster
-            medoids = torch.arange(k).expand(6, k)  # token j < k is in cluster j
-            from_means = _medoids_from_means(xc, (xc * xc).sum(-1), w, assign, k, medoids)
+            from_means = _medoids_from_means(xc, (xc * xc).sum(-1), w, assign, k)
             assert torch.equal(from_means, _medoids_from_pairs(token_sq_dists(xc), assign, w, k))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("weighted", [False, True])
-def test_medoid_update_scoring_open_clusters_only_matches_scoring_all_tokens(
-    dtype: torch.dtype, weighted: bool, monkeypatch
-) -> None:
-    """Eager CPU scores only the tokens of clusters whose medoid may change (shared ones,
-    and after an update only those whose members changed) when they are few; the medoids
-    are those of scoring all N tokens, to the bit, including the tie rules (equal-weight
-    pairs, zero-weight clusters, identical members)."""
-    from leanformer.ops import clustering
-
-    b, n, c = 5, 40, 24
-    x, w = _data(b=b, n=n, c=c, seed=4)
-    x, w = x.to(dtype), (w if weighted else torch.ones_like(w)).to(dtype)
-    x[:, 31] = x[:, 30]  # identical members
-    w[:, 33] = w[:, 32]  # an equal-weight pair
-    w[:, 35] = w[:, 34] = 0.0  # a cluster of weight 0
-    xc = x - x.mean(dim=1, keepdim=True)
-    sq_norms = (xc * xc).sum(-1)
-    gen = torch.Generator().manual_seed(1)
-
-    def every_token(assign, medoids, k):
-        with monkeypatch.context() as m:
-            m.setattr(clustering, "_reads_back", lambda t: False)
-            return clustering._medoids_from_means(xc, sq_norms, w, assign, k, medoids)
-
-    def subset_size(assign, medoids, k, previous=None):
-        seen = []
-        with monkeypatch.context() as m:
-            m.setattr(
-                clustering,
-                "_tokens_to_score",
-                lambda clusters, assign: seen.append(clusters.gather(1, assign)) or score(clusters, assign),
-            )
-            out = clustering._medoids_from_means(xc, sq_norms, w, assign, k, medoids, previous)
-        return out, int(seen[0].sum(dim=1).max())
-
-    score = clustering._tokens_to_score
-    for k in (n - 3, n - 8, 26, n // 2, 5):
-        # k distinct medoids, each in its own cluster; every other token joins one.
-        medoids = torch.randperm(n, generator=gen)[:k].sort().values.expand(b, k).contiguous()
-        assign = torch.randint(0, k, (b, n), generator=gen)
-        if k >= 26:
-            assign[:, 30:36] = torch.tensor([0, 0, 1, 1, 2, 2])  # the tie cases share clusters
-        assign.scatter_(1, medoids, torch.arange(k).expand(b, k))
-        first, open_tokens = subset_size(assign, medoids, k)
-        assert (open_tokens <= n // 2) == (k >= n - 8)  # a subset where few clusters are shared
-        assert torch.equal(first, every_token(assign, medoids, k))
-        # Three non-medoid tokens change cluster: only the clusters they left or joined
-        # are scored, and the medoids are still those of scoring every token.
-        moved = assign.clone()
-        movers = [i for i in range(n) if i not in medoids[0].tolist()][:3]
-        moved[:, movers] = (moved[:, movers] + 1) % k
-        moved.scatter_(1, first, torch.arange(k).expand(b, k))  # medoids stay in their clusters
-        second, open_tokens = subset_size(moved, first, k, previous=assign)
-        if k >= 26:  # clusters of one or two tokens: the touched ones are a few
-            assert open_tokens <= 12
-        # No member changed cluster since the last update: nothing to score.
-        again, open_tokens = subset_size(moved, second, k, previous=moved)
-        assert open_tokens == 0 and torch.equal(again, second)
-        assert torch.equal(again, every_token(moved, second, k))
-        assert torch.equal(second, every_token(moved, first, k))
 
 
 @pytest.mark.parametrize("k", [300, 450, 590])
 def test_large_n_plans_agree_every_way(k: int, monkeypatch) -> None:
-    """High-resolution sizes (600 tokens): the incremental medoid table, the table
-    recomputed every update, and the update from all N x N distances give one plan."""
+    """High-resolution sizes (600 tokens): eager (the C++ iterations, which recompute the
+    medoid table where medoids moved), the table recomputed every update, and the update
+    from all N x N distances give one plan."""
     from leanformer.ops import clustering
 
     x, w = _data(b=2, n=600, c=8, seed=k)
@@ -295,29 +242,6 @@ def test_large_n_plans_agree_every_way(k: int, monkeypatch) -> None:
     for other in plans[1:]:
         assert torch.equal(other.assign, plans[0].assign)
         assert torch.equal(other.medoids, plans[0].medoids)
-
-
-def _dense(table, n: int) -> torch.Tensor:
-    """A medoid table as ``[B, K, N]`` with NaN in the medoids' own columns."""
-    B, k, m = table.dists.shape
-    out = torch.full((B, k, n), float("nan"), dtype=table.dists.dtype)
-    return out.scatter_(2, table.others[:, None, :].expand(B, k, m), table.dists)
-
-
-def test_medoid_table_after_moves_equals_the_table_computed_afresh() -> None:
-    from leanformer.ops.medoid_distances import after_moves, medoid_distances
-
-    x, _ = _data(b=4, n=20, c=4, seed=2)
-    sq = (x * x).sum(-1)
-    old = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [0, 5, 10, 15]])
-    new = torch.tensor([[0, 15, 2, 3], [4, 5, 6, 7], [12, 13, 14, 19], [1, 5, 10, 16]])  # 1, 0, 4, 2 moved
-    table = after_moves(medoid_distances(x, sq, old), x, sq, old, new)
-    fresh = medoid_distances(x, sq, new)
-    assert torch.equal(table.others.sort(dim=1).values, fresh.others)
-    torch.testing.assert_close(_dense(table, 20), _dense(fresh, 20), rtol=0, atol=1e-12, equal_nan=True)
-    expected = torch.cdist(x.gather(1, new[..., None].expand(4, 4, 4)), x) ** 2
-    expected.scatter_(2, new[:, None, :].expand(4, 4, 4), float("nan"))
-    torch.testing.assert_close(_dense(table, 20), expected, equal_nan=True)
 
 
 @pytest.mark.parametrize("weighted", [False, True])

@@ -228,7 +228,7 @@ def test_reduce_after_mlp_option() -> None:
 def test_deit_small_gflops_match_the_paper(monkeypatch: pytest.MonkeyPatch) -> None:
     from leanformer.bench.flops import count_gflops
     from leanformer.layers import token_pooling
-    from leanformer.ops import medoid_distances, token_distances
+    from leanformer.ops import kmedoids_native, medoid_distances, token_distances
 
     x = torch.randn(1, 3, 224, 224)
 
@@ -241,10 +241,10 @@ def test_deit_small_gflops_match_the_paper(monkeypatch: pytest.MonkeyPatch) -> N
     assert powerbert == pytest.approx(2.27, abs=0.01)
     assert gflops(pool="powerbert", keep="deit_s_level3", reduce_at="mlp") == pytest.approx(2.50, abs=0.01)
 
-    # WK-Medoids: the same transformer plus the clustering's distance products. The paper
-    # adds 0.08 for N x N distances in every block (0.063 here); the medoid-token
-    # distances, which replace them where a block removes at most a quarter of its
-    # tokens, cost less.
+    # WK-Medoids: the same transformer plus the clustering's distances: the initial medoid
+    # table's products, and the distances the C++ iterations recompute where medoids move.
+    # The paper adds 0.08 for N x N distances in every block (0.063 here); the
+    # medoid-token distances cost less.
     products: list[tuple[int, int, int]] = []
     real = token_distances.pairwise_sq_dists
 
@@ -259,6 +259,13 @@ def test_deit_small_gflops_match_the_paper(monkeypatch: pytest.MonkeyPatch) -> N
         shapes.append((tokens.shape[1], k, tokens.shape[2]))
         return real_plan(tokens, k, **kw)  # type: ignore[arg-type]
 
+    real_work = kmedoids_native.distance_work
+
+    def recording_work(xc: torch.Tensor, distances: int) -> None:
+        products.append((distances, 1, xc.shape[2]))
+        real_work(xc, distances)
+
+    monkeypatch.setattr(kmedoids_native, "distance_work", recording_work)
     monkeypatch.setattr(token_distances, "pairwise_sq_dists", recording)
     monkeypatch.setattr(medoid_distances, "pairwise_sq_dists", recording)
     monkeypatch.setattr(token_pooling, "kmedoids_plan", recording_plan)

@@ -3,7 +3,9 @@
 ``torch.utils.flop_counter.FlopCounterMode`` counts 2 FLOPs per multiply-add and, in
 torch 2.14, does not know the CPU fused attention kernel
 (``_scaled_dot_product_flash_attention_for_cpu``), so a DeiT-S would read 4.24 instead
-of 4.6 GMACs. We register the same formula torch uses for the CUDA flash kernel.
+of 4.6 GMACs. We register the same formula torch uses for the CUDA flash kernel, and
+count the distances the C++ K-Medoids iterations compute (which a counter of tensor
+operations cannot see) as the matrix products that compute them in the batched code.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+import leanformer.ops.kmedoids_native  # noqa: F401  (registers leanformer::medoid_distance_work)
 
 aten = torch.ops.aten
 
@@ -29,8 +33,13 @@ def _cpu_flash_backward(
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
+def _medoid_distance_work(xc: Any, distances: int, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return 2 * distances * xc[-1]  # C multiply-adds per squared distance
+
+
 def _custom_mapping() -> dict[Any, Any]:
-    mapping: dict[Any, Any] = {}
+    # The K-Medoids kernel's own distance computations (leanformer.ops.kmedoids_native).
+    mapping: dict[Any, Any] = {torch.ops.leanformer.medoid_distance_work: _medoid_distance_work}
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_forward
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):

@@ -16,9 +16,11 @@ point of the next iteration too, so the iterations may stop there, where knowing
 costs no device sync (:func:`_repeat_while_changing`), with the plan of all
 ``max_iters``. Reading a value back is free only on the CPU, and only in eager code:
 
-- **eager on the CPU** the plans read values back where that saves work (stop at the
-  fixed point, score only the clusters that can change, update the medoid table where
-  medoids moved);
+- **eager on the CPU** the plans read values back where that saves work: they stop at
+  the fixed point, and K-Medoids runs its iterations in C++
+  (:mod:`leanformer.ops.kmedoids_native`, when the package was built with it), where
+  an iteration is a few loops per example instead of about a hundred small batched
+  operations;
 - **compiled for the CPU** a plan of many tokens is one opaque call into that eager code
   (``torch.ops.leanformer.kmedoids_plan`` / ``kmeans_plan``), so it costs what it costs
   eager; a small one is traced, each iteration in a :func:`torch.cond` branch that is
@@ -42,13 +44,9 @@ import torch
 from torch import Tensor
 
 from leanformer.ops.hashed_noise import uniform_noise
-from leanformer.ops.medoid_distances import (
-    MedoidDistances,
-    after_moves,
-    medoid_distances,
-    nearest_medoids,
-)
-from leanformer.ops.segment_sum import flat_rows, marked_first, segment_sum
+from leanformer.ops.kmedoids_native import iterate_on_cpu, kernel_available
+from leanformer.ops.medoid_distances import MedoidDistances, medoid_distances, nearest_medoids
+from leanformer.ops.segment_sum import flat_rows, segment_sum
 from leanformer.ops.token_distances import centred, pairwise_sq_dists, token_sq_dists
 from leanformer.ops.token_selection import gather_tokens
 
@@ -56,9 +54,6 @@ InitMode = Literal["topk", "random"]
 
 # Marks "no token" in a per-cluster minimum over token indices: above every index.
 _NO_TOKEN = torch.iinfo(torch.int64).max
-# The medoid update scores only the tokens of clusters whose medoid may change where they
-# are at most this fraction of all tokens (see _tokens_to_score).
-_SCORED_FRACTION = 0.5
 # Compiled for the CPU, plans of at least this many tokens (batch x tokens) are opaque
 # calls into the eager code (see _opaque_when_compiled).
 _OPAQUE_FROM_TOKENS = 512
@@ -267,17 +262,16 @@ def _weights(x: Tensor, weights: Tensor | None, dtype: torch.dtype) -> Tensor:
     return weights.detach().to(dtype)
 
 
-def _first_argmin(values: Tensor, assign: Tensor, k: int, tokens: Tensor | None = None) -> Tensor:
+def _first_argmin(values: Tensor, assign: Tensor, k: int) -> Tensor:
     """Per cluster, the member token with the smallest ``values``; ties go to the lowest index.
 
-    ``values, assign [B, P]`` -> token indices ``[B, K]``. Two segment-min reductions
-    instead of a ``[B, K, P]`` masked matrix. ``tokens [B, P]``: the token index of every
-    entry (by default ``0..P-1``). A cluster with no entry gets ``_NO_TOKEN``.
+    ``values, assign [B, N]`` -> token indices ``[B, K]``. Two segment-min reductions
+    instead of a ``[B, K, N]`` masked matrix. A cluster with no member gets ``_NO_TOKEN``.
     """
-    B, P = values.shape
+    B, N = values.shape
     inf = torch.full((B, k), float("inf"), dtype=values.dtype, device=values.device)
     best = inf.scatter_reduce(1, assign, values, reduce="amin", include_self=True)
-    index = torch.arange(P, device=values.device).expand(B, P) if tokens is None else tokens
+    index = torch.arange(N, device=values.device).expand(B, N)
     candidate = torch.where(values == best.gather(1, assign), index, _NO_TOKEN)
     init = torch.full((B, k), _NO_TOKEN, dtype=index.dtype, device=values.device)
     return init.scatter_reduce(1, assign, candidate, reduce="amin", include_self=True)
@@ -307,26 +301,13 @@ def _medoid_table(
     return MedoidDistances(torch.arange(N, device=rows.device).expand(B, N), rows)
 
 
-def _medoids_from_means(
-    xc: Tensor,
-    sq_norms: Tensor,
-    w: Tensor,
-    assign: Tensor,
-    k: int,
-    medoids: Tensor,
-    previous: Tensor | None = None,
-) -> Tensor:
+def _medoids_from_means(xc: Tensor, sq_norms: Tensor, w: Tensor, assign: Tensor, k: int) -> Tensor:
     """The new medoid of every cluster (eqs. 12/17) from the cluster means -> ``[B, K]``.
 
     A cluster's medoid is the member ``i`` with the least ``sum_{i' in cluster} w_i'
     |x_i' - x_i|^2``. That sum is ``W |x_i - m|^2`` plus a constant of the cluster (``m``
     its weighted mean, ``W`` its total weight), so the medoid is the member nearest the
     weighted mean, found in O(N C); members are ranked by ``|x_i|^2 - 2 x_i.m``.
-
-    Only some clusters can get a new medoid: not a cluster of one token (it keeps it),
-    nor one whose members are those it had at the last update (``previous [B, N]``, the
-    assignment then; the update would give ``medoids [B, K]``, the current ones, again).
-    Where the others' tokens are few, just those are scored (:func:`_tokens_to_score`).
 
     Exact ties go to the lowest index, as with the sums themselves: identical members
     score alike; the two members of a two-token cluster of equal weights cost each other's
@@ -336,19 +317,6 @@ def _medoids_from_means(
     B, _, C = xc.shape
     total = w.new_zeros(B, k).scatter_add_(1, assign, w)
     members = torch.zeros_like(total).scatter_add_(1, assign, torch.ones_like(w))
-    open_clusters = members > 1
-    if previous is not None:
-        moved = (assign != previous).to(w.dtype)
-        touched = w.new_zeros(B, k).scatter_add_(1, assign, moved).scatter_add_(1, previous, moved)
-        open_clusters &= touched > 0
-    tokens = _tokens_to_score(open_clusters, assign)
-    if tokens is not None and tokens.shape[1] == 0:
-        return medoids  # no cluster changed since the last update
-    if tokens is not None:
-        # Whole clusters, each in token order: their means and scores are those of
-        # all N tokens, to the bit.
-        xc, sq_norms = gather_tokens(xc, tokens), sq_norms.gather(1, tokens)
-        w, assign = w.gather(1, tokens), assign.gather(1, tokens)
     own_total = total.gather(1, assign)
     # Weights normalised per cluster first: the means are then one segment sum.
     means = segment_sum(xc, assign, k, w / own_total.clamp_min(torch.finfo(w.dtype).tiny))
@@ -356,29 +324,7 @@ def _medoids_from_means(
     score = sq_norms - 2.0 * own_mean.mul_(xc).sum(-1)
     own_members = members.gather(1, assign)
     tied = ((own_members == 2) & (own_total - w == w)) | (own_total == 0)
-    best = _first_argmin(torch.where(tied, 0.0, score), assign, k, tokens)
-    # Scored in full, every cluster gets its medoid; from a subset, only the open ones
-    # (the subset may hold a part of another cluster, to fill every example to P).
-    return best if tokens is None else torch.where(open_clusters, best, medoids)
-
-
-def _tokens_to_score(open_clusters: Tensor, assign: Tensor) -> Tensor | None:
-    """Token indices ``[B, P]`` holding every token of the ``open_clusters [B, K]`` (those
-    whose medoid may change; ``assign [B, N]``), or None to score all N tokens.
-
-    Each example's open tokens come first, in token order, then its lowest other tokens
-    up to the common ``P``. ``P`` is read back to the host, so this is for eager CPU only,
-    and only where at most ``_SCORED_FRACTION`` of the tokens are open: above that the
-    copy costs about what it saves.
-    """
-    if not _reads_back(assign):
-        return None
-    open_token = open_clusters.gather(1, assign)
-    N = open_token.shape[1]
-    count = int(open_token.sum(dim=1).max())
-    if count > _SCORED_FRACTION * N:
-        return None
-    return marked_first(open_token, count)
+    return _first_argmin(torch.where(tied, 0.0, score), assign, k)
 
 
 def _medoids_from_pairs(every_pair: Tensor, assign: Tensor, w: Tensor, k: int) -> Tensor:
@@ -417,8 +363,9 @@ def kmedoids_plan(
     O(N C) per update, or from all N x N distances, O(N^2). The assignment needs only the
     distances between the medoids and the other tokens
     (:mod:`leanformer.ops.medoid_distances`): picked from the N x N distances, or
-    computed, and then, in eager mode on CPU, recomputed only where medoids moved. Every
-    way gives the plan of the sums, up to float rounding of the distances.
+    computed. Eager on the CPU the iterations run in C++ (from the cluster means, the
+    table recomputed only where medoids moved; :mod:`leanformer.ops.kmedoids_native`).
+    Every way gives the plan of the sums, up to float rounding of the distances.
     """
     _check(x, k, weights)
     B, N, C = x.shape
@@ -432,44 +379,29 @@ def kmedoids_plan(
     medoids = _default_init(init, weights, k, N, B, x.device)
     xc = centred(x.detach())
     w = _weights(x, weights, xc.dtype)
+    if _reads_back(xc) and kernel_available():
+        # Eager on the CPU: the iterations in C++, one example at a time.
+        sq_norms = torch.linalg.vector_norm(xc, dim=-1).square()
+        table = medoid_distances(xc, sq_norms, medoids)
+        assign, medoids = iterate_on_cpu(xc, sq_norms, w, medoids, table, max_iters)
+        return ClusterPlan(assign=assign, medoids=medoids, centers=None)
     every_pair = None if _update_from_means(N, C, k) else token_sq_dists(xc)
     sq_norms = xc.new_empty(0)  # |x|^2, needed by the update from means and its table
     if every_pair is None:
         # One fused reduction: a third of the time of (xc * xc).sum(-1) on CPU.
         sq_norms = torch.linalg.vector_norm(xc, dim=-1).square()
-    table = _medoid_table(xc, sq_norms, medoids, every_pair)
-    assign = nearest_medoids(table, medoids, N)
-    if not _reads_back(xc):
-        # Traced, or on an accelerator: the plain iteration, the table computed afresh.
-        def iteration(medoids: Tensor, assign: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-            if every_pair is None:
-                new_medoids = _medoids_from_means(xc, sq_norms, w, assign, k, medoids)
-            else:
-                new_medoids = _medoids_from_pairs(every_pair, assign, w, k)
-            table = _medoid_table(xc, sq_norms, new_medoids, every_pair)
-            changed = (new_medoids != medoids).any()
-            return new_medoids, nearest_medoids(table, new_medoids, N), changed
 
-        medoids, assign = _repeat_while_changing(iteration, (medoids, assign), max_iters)
-        return ClusterPlan(assign=assign, medoids=medoids, centers=None)
-    # Eager on the CPU: the update stops at the fixed point before a table is made for it,
-    # and the table is kept current where medoids moved.
-    incremental = every_pair is None
-    previous = None  # the assignment at the last update from means
-    for _ in range(max_iters):
+    def iteration(medoids: Tensor, assign: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if every_pair is None:
-            new_medoids = _medoids_from_means(xc, sq_norms, w, assign, k, medoids, previous)
-            previous = assign
+            new_medoids = _medoids_from_means(xc, sq_norms, w, assign, k)
         else:
             new_medoids = _medoids_from_pairs(every_pair, assign, w, k)
-        if torch.equal(new_medoids, medoids):  # every image at its fixed point
-            break
-        if incremental:
-            table = after_moves(table, xc, sq_norms, medoids, new_medoids)
-        else:
-            table = _medoid_table(xc, sq_norms, new_medoids, every_pair)
-        medoids = new_medoids
-        assign = nearest_medoids(table, medoids, N)
+        table = _medoid_table(xc, sq_norms, new_medoids, every_pair)
+        changed = (new_medoids != medoids).any()
+        return new_medoids, nearest_medoids(table, new_medoids, N), changed
+
+    assign = nearest_medoids(_medoid_table(xc, sq_norms, medoids, every_pair), medoids, N)
+    medoids, assign = _repeat_while_changing(iteration, (medoids, assign), max_iters)
     return ClusterPlan(assign=assign, medoids=medoids, centers=None)
 
 

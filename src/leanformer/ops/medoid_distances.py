@@ -1,4 +1,4 @@
-"""Distances between K-Medoids' medoids and the other tokens, kept current as medoids move.
+"""Distances between K-Medoids' medoids and the other tokens.
 
 A medoid belongs to its own cluster, so the assignment step only needs the distances
 between the ``K`` medoids and the ``M = N - K`` other tokens: ``K x M`` of them, a quarter
@@ -6,13 +6,9 @@ of the ``N x N`` token pairs at ``K = N / 2`` and far fewer when a block removes
 tokens. :class:`MedoidDistances` holds them as ``dists [B, K, M]``, column ``m`` for token
 ``others[:, m]``.
 
-After a medoid update, :func:`after_moves` recomputes only what changed. The new medoid
-of a cluster is one of its members, so it was one of the other tokens; the old medoid
-takes its column. For every medoid that moved, that column (distances from every
-medoid) and the medoid's row (distances to every other token) are recomputed; few
-medoids move once the tokens have settled into clusters (1-14% in the first update on
-``deit_fashion``, fewer later). How many moved is read back to the host, so this is for
-eager CPU; elsewhere :func:`medoid_distances` computes the table afresh.
+The batched plan computes the table afresh after every medoid update; the C++ iterations
+(:mod:`leanformer.ops.kmedoids_native`) start from it and recompute only what moved
+medoids change.
 
 Shapes: centred tokens ``xc [B, N, C]``, their squared norms ``sq_norms [B, N]``,
 ``medoids [B, K]`` token indices, distinct per example, ``K < N``.
@@ -25,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from leanformer.ops.segment_sum import flat_rows, marked_first
+from leanformer.ops.segment_sum import marked_first
 from leanformer.ops.token_distances import pairwise_sq_dists
 from leanformer.ops.token_selection import gather_tokens
 
@@ -44,7 +40,7 @@ def _between(xc: Tensor, sq_norms: Tensor, rows: Tensor, cols: Tensor) -> Tensor
 
     Both sets are copied out of ``xc`` for the product, unless one holds more than half of
     the tokens (the medoids, when a block removes a few) or the other very few (the
-    medoids that moved): then the smaller set is multiplied against all tokens in place
+    tokens left, then): then the smaller set is multiplied against all tokens in place
     and the wanted columns are picked, which reads all tokens once instead of copying
     many of them.
     """
@@ -85,34 +81,3 @@ def nearest_medoids(table: MedoidDistances, medoids: Tensor, num_tokens: int) ->
     assign = torch.empty(B, num_tokens, dtype=torch.long, device=medoids.device)
     assign.scatter_(1, table.others, nearest)
     return assign.scatter_(1, medoids, torch.arange(k, device=medoids.device).expand(B, k))
-
-
-def after_moves(
-    table: MedoidDistances, xc: Tensor, sq_norms: Tensor, old: Tensor, new: Tensor
-) -> MedoidDistances:
-    """The table of ``old [B, K]`` medoids -> that of ``new``, recomputing only what the moved
-    medoids change (see the module doc). Updates ``table`` in place. Reads back how many
-    medoids moved: eager CPU only."""
-    B, k, m = table.dists.shape
-    moved = new != old
-    most = int(moved.sum(dim=1).max())
-    if most == 0:
-        return table
-    # Each example's moved slots first. An example with fewer repeats its first write in
-    # the remaining slots (or, with none, rewrites column 0 as it is): every write is
-    # then needed or changes nothing, and writes to one place carry one value.
-    slots = marked_first(moved, most)
-    real = moved.gather(1, slots)
-    any_moved = real[:, :1]
-    column_of = torch.zeros(B, xc.shape[1], dtype=torch.long, device=old.device)
-    column_of.scatter_(1, table.others, torch.arange(m, device=old.device).expand(B, m))
-    column = column_of.gather(1, new.gather(1, slots))  # where each new medoid sat
-    leaving = old.gather(1, slots)  # the token that takes that column
-    column = torch.where(real, column, torch.where(any_moved, column[:, :1], 0))
-    leaving = torch.where(real, leaving, torch.where(any_moved, leaving[:, :1], table.others[:, :1]))
-    others = table.others.scatter_(1, column, leaving)
-    dists = table.dists
-    dists.scatter_(2, column[:, None, :].expand(B, k, most), _between(xc, sq_norms, new, leaving))
-    fresh_rows = _between(xc, sq_norms, new.gather(1, slots), others).view(B * most, m)
-    dists.view(B * k, m).index_copy_(0, flat_rows(slots, k), fresh_rows)
-    return MedoidDistances(others, dists)

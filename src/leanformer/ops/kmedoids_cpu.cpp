@@ -1,0 +1,246 @@
+// Weighted K-Medoids iterations on the CPU, one example at a time (Token Pooling, Alg. 1).
+//
+// The batched Python plan (leanformer/ops/clustering.py) runs about a hundred small
+// tensor operations per iteration; at the sizes token pooling meets (tens to hundreds
+// of tokens per example) their fixed cost outweighs the arithmetic. Here an iteration
+// is a few plain loops per example, examples in parallel, with the same algorithm:
+//
+//   assign   every token to its nearest medoid (the first in medoid order on ties;
+//            a medoid to its own cluster);
+//   update   every cluster's medoid to the member nearest the cluster's weighted mean,
+//            which minimises the weighted sum of squared distances to the members
+//            (eq. 17 weighted); the lowest index on ties;
+//   stop     at the fixed point, or after max_iters updates.
+//
+// Distances are kept as a table between the K medoids and the M = N - K other tokens,
+// dist[j][m] from medoid j to token others[m] (a medoid is in its own cluster, so the
+// assignment needs no more), given for the initial medoids (one matrix product, made by
+// the caller: leanformer/ops/medoid_distances.py) and kept current here: when medoid j
+// moves from token o to token t, t's column goes to o, and row j and that column are
+// recomputed.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+T dot(const T* a, const T* b, int64_t n) {
+  T sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t c = 0; c < n; ++c) sum += a[c] * b[c];
+  return sum;
+}
+
+// Squared distance |x_a|^2 + |x_b|^2 - 2 x_a.x_b between tokens a and b, at least 0.
+template <typename T>
+T sq_dist(const T* x, const T* sq, int64_t a, int64_t b, int64_t c) {
+  const T d = sq[a] + sq[b] - T(2) * dot(x + a * c, x + b * c, c);
+  return d > T(0) ? d : T(0);
+}
+
+template <typename T>
+struct Example {
+  const T* x;   // [N, C] centred tokens
+  const T* sq;  // [N] their squared norms
+  const T* w;   // [N] weights
+  T* dist;            // [K, M] distances from every medoid to the other tokens
+  int64_t* medoids;   // [K]
+  int64_t* others;    // [M] the tokens that are not medoids
+  int64_t* assign;    // [N]
+  int64_t* work;      // distances computed (a count, for the FLOP counters)
+  int64_t n, k, m, c;
+};
+
+template <typename T>
+void assign_nearest(const Example<T>& e, std::vector<T>& best, std::vector<int64_t>& nearest) {
+  std::fill(nearest.begin(), nearest.end(), 0);
+  std::copy(e.dist, e.dist + e.m, best.begin());
+  for (int64_t j = 1; j < e.k; ++j) {
+    const T* row = e.dist + j * e.m;
+    for (int64_t i = 0; i < e.m; ++i) {
+      if (row[i] < best[i]) {  // strict: the first medoid keeps a tie
+        best[i] = row[i];
+        nearest[i] = j;
+      }
+    }
+  }
+  for (int64_t i = 0; i < e.m; ++i) e.assign[e.others[i]] = nearest[i];
+  for (int64_t j = 0; j < e.k; ++j) e.assign[e.medoids[j]] = j;
+}
+
+// Medoid j moved: recompute its row.
+template <typename T>
+void recompute_row(const Example<T>& e, int64_t j) {
+  T* row = e.dist + j * e.m;
+  for (int64_t i = 0; i < e.m; ++i) row[i] = sq_dist(e.x, e.sq, e.medoids[j], e.others[i], e.c);
+  *e.work += e.m;
+}
+
+// Column i now holds another token: recompute it.
+template <typename T>
+void recompute_column(const Example<T>& e, int64_t i) {
+  for (int64_t j = 0; j < e.k; ++j) e.dist[j * e.m + i] = sq_dist(e.x, e.sq, e.medoids[j], e.others[i], e.c);
+  *e.work += e.k;
+}
+
+// The member of every cluster nearest its weighted mean -> new_medoids [K]. Members are
+// ranked by |x_i|^2 - 2 x_i.mean (the distance to the mean less a constant of the cluster).
+template <typename T>
+void medoids_from_means(const Example<T>& e, std::vector<T>& means, std::vector<T>& total,
+                        std::vector<int64_t>& members, std::vector<T>& best_score,
+                        std::vector<int64_t>& new_medoids) {
+  const int64_t n = e.n, k = e.k, c = e.c;
+  std::fill(total.begin(), total.end(), T(0));
+  std::fill(members.begin(), members.end(), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    total[e.assign[i]] += e.w[i];
+    members[e.assign[i]] += 1;
+  }
+  std::fill(means.begin(), means.end(), T(0));
+  const T tiny = std::numeric_limits<T>::min();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = e.assign[i];
+    const T coef = e.w[i] / std::max(total[j], tiny);
+    T* mean = means.data() + j * c;
+    const T* xi = e.x + i * c;
+#pragma omp simd
+    for (int64_t d = 0; d < c; ++d) mean[d] += coef * xi[d];
+  }
+  std::fill(best_score.begin(), best_score.end(), std::numeric_limits<T>::infinity());
+  std::fill(new_medoids.begin(), new_medoids.end(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = e.assign[i];
+    // Exact ties that the rounding of the mean would break at random score alike: the
+    // two members of a two-token cluster of equal weights (each costs the other's
+    // distance), and every member of a cluster of weight 0.
+    const bool tied = (members[j] == 2 && total[j] - e.w[i] == e.w[i]) || total[j] == T(0);
+    const T score = tied ? T(0) : e.sq[i] - T(2) * dot(e.x + i * c, means.data() + j * c, c);
+    if (score < best_score[j]) {  // tokens in index order: the lowest index keeps a tie
+      best_score[j] = score;
+      new_medoids[j] = i;
+    }
+  }
+}
+
+// A medoid at the same point as medoid j that did not move, or -1. Its row holds the
+// distances that j's must hold, computed the same way: the caller's matrix product made
+// the rows it did not recompute, whose rounding a row recomputed here would not share,
+// and the assignment's tie rule (the first medoid wins) needs identical rows for
+// identical medoids.
+template <typename T>
+int64_t unmoved_twin(const Example<T>& e, int64_t j, const std::vector<char>& moved) {
+  const T* xj = e.x + e.medoids[j] * e.c;
+  for (int64_t t = 0; t < e.k; ++t) {
+    if (t != j && !moved[t] && std::equal(xj, xj + e.c, e.x + e.medoids[t] * e.c)) return t;
+  }
+  return -1;
+}
+
+template <typename T>
+void run_example(const Example<T>& e, int64_t max_iters) {
+  std::vector<T> best(e.m), means(e.k * e.c), total(e.k), best_score(e.k);
+  std::vector<int64_t> nearest(e.m), members(e.k), new_medoids(e.k), column_of(e.n, -1), moved, columns;
+  std::vector<char> is_moved(e.k);
+  for (int64_t i = 0; i < e.m; ++i) column_of[e.others[i]] = i;
+  assign_nearest(e, best, nearest);
+  for (int64_t it = 0; it < max_iters; ++it) {
+    medoids_from_means(e, means, total, members, best_score, new_medoids);
+    moved.clear();
+    columns.clear();
+    std::fill(is_moved.begin(), is_moved.end(), 0);
+    for (int64_t j = 0; j < e.k; ++j) {
+      const int64_t old = e.medoids[j], now = new_medoids[j];
+      if (now == old) continue;
+      // The new medoid is a member of cluster j, so it was one of the other tokens; the
+      // old medoid takes its column.
+      const int64_t i = column_of[now];
+      e.others[i] = old;
+      column_of[old] = i;
+      column_of[now] = -1;
+      e.medoids[j] = now;
+      moved.push_back(j);
+      is_moved[j] = 1;
+      columns.push_back(i);
+    }
+    if (moved.empty()) break;  // a fixed point: every later iteration would give it again
+    for (const int64_t j : moved) {
+      const int64_t twin = unmoved_twin(e, j, is_moved);
+      if (twin < 0) {
+        recompute_row(e, j);
+      } else {
+        std::copy(e.dist + twin * e.m, e.dist + (twin + 1) * e.m, e.dist + j * e.m);
+      }
+    }
+    for (const int64_t i : columns) recompute_column(e, i);
+    assign_nearest(e, best, nearest);
+  }
+}
+
+template <typename T>
+void run_batch(const at::Tensor& x, const at::Tensor& sq, const at::Tensor& w, at::Tensor& dist,
+               at::Tensor& medoids, at::Tensor& others, at::Tensor& assign, at::Tensor& work,
+               int64_t max_iters) {
+  const int64_t batch = x.size(0), n = x.size(1), c = x.size(2), k = medoids.size(1), m = n - k;
+  const T* xp = x.data_ptr<T>();
+  const T* sqp = sq.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* dp = dist.data_ptr<T>();
+  int64_t* mp = medoids.data_ptr<int64_t>();
+  int64_t* op = others.data_ptr<int64_t>();
+  int64_t* ap = assign.data_ptr<int64_t>();
+  int64_t* wk = work.data_ptr<int64_t>();
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const Example<T> e{xp + b * n * c, sqp + b * n, wp + b * n, dp + b * k * m, mp + b * k,
+                         op + b * m,     ap + b * n,  wk + b,     n,              k,          m, c};
+      run_example(e, max_iters);
+    }
+  });
+}
+
+}  // namespace
+
+// xc [B, N, C] centred tokens, sq_norms [B, N], weights [B, N] (all one floating type),
+// medoids [B, K] int64 distinct initial medoids (K < N), others [B, N - K] int64 the
+// other tokens, dist [B, K, N - K] the distances between them. Returns (assign [B, N],
+// medoids [B, K], work [B]: how many distances each example recomputed); the inputs are
+// not modified.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor& xc, const at::Tensor& sq_norms,
+                                                    const at::Tensor& weights, const at::Tensor& medoids,
+                                                    const at::Tensor& others, const at::Tensor& dist,
+                                                    int64_t max_iters) {
+  TORCH_CHECK(xc.device().is_cpu(), "kmedoids_iterate runs on the CPU");
+  TORCH_CHECK(xc.dim() == 3, "tokens must be [B, N, C]");
+  const int64_t batch = xc.size(0), n = xc.size(1), k = medoids.size(1);
+  TORCH_CHECK(sq_norms.sizes() == at::IntArrayRef({batch, n}), "sq_norms must be [B, N]");
+  TORCH_CHECK(weights.sizes() == at::IntArrayRef({batch, n}), "weights must be [B, N]");
+  TORCH_CHECK(medoids.dim() == 2 && medoids.size(0) == batch && k >= 1 && k < n, "medoids must be [B, K], K < N");
+  TORCH_CHECK(others.sizes() == at::IntArrayRef({batch, n - k}), "others must be [B, N - K]");
+  TORCH_CHECK(dist.sizes() == at::IntArrayRef({batch, k, n - k}), "dist must be [B, K, N - K]");
+  TORCH_CHECK(medoids.scalar_type() == at::kLong && others.scalar_type() == at::kLong,
+              "medoids and others must be int64");
+  TORCH_CHECK(sq_norms.scalar_type() == xc.scalar_type() && weights.scalar_type() == xc.scalar_type() &&
+                  dist.scalar_type() == xc.scalar_type(),
+              "tokens, norms, weights and distances must share one floating type");
+  const at::Tensor x = xc.contiguous(), sq = sq_norms.contiguous(), w = weights.contiguous();
+  at::Tensor table = dist.clone(at::MemoryFormat::Contiguous);
+  at::Tensor new_medoids = medoids.clone(at::MemoryFormat::Contiguous);
+  at::Tensor new_others = others.clone(at::MemoryFormat::Contiguous);
+  at::Tensor assign = at::empty({batch, n}, medoids.options());
+  at::Tensor work = at::zeros({batch}, medoids.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "kmedoids_iterate", [&] {
+    run_batch<scalar_t>(x, sq, w, table, new_medoids, new_others, assign, work, max_iters);
+  });
+  return {assign, new_medoids, work};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("kmedoids_iterate", &kmedoids_iterate, "Weighted K-Medoids iterations, one example per task");
+}

@@ -1,0 +1,142 @@
+"""The C++ K-Medoids iterations against the batched PyTorch plan they stand in for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leanformer.ops import kmedoids_native
+from leanformer.ops.clustering import init_centers, kmedoids_plan
+from leanformer.ops.medoid_distances import medoid_distances
+from leanformer.ops.token_distances import centred
+
+
+def test_the_package_was_built_with_the_kernel() -> None:
+    """`make venv` builds it; a build that failed would only show as slower plans."""
+    assert kmedoids_native.kernel_available(), (
+        "leanformer.ops._kmedoids_cpu is missing: reinstall with a C++ compiler "
+        "(pip install --no-build-isolation -e .) and read the build's warnings"
+    )
+
+
+def _batched(monkeypatch: pytest.MonkeyPatch, *args, **kwargs):
+    with monkeypatch.context() as m:
+        m.setattr(kmedoids_native, "_kernel", None)
+        return kmedoids_plan(*args, **kwargs)
+
+
+def _clustered(b: int, n: int, c: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    centres = 4 * torch.randn(b, max(2, n // 6), c, generator=g)
+    members = torch.randint(0, centres.shape[1], (n,), generator=g)
+    x = centres[:, members] + torch.randn(b, n, c, generator=g)
+    return x.to(dtype), (torch.rand(b, n, generator=g) + 0.1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("b", "n", "c", "k"),
+    [(16, 64, 96, 56), (16, 64, 96, 32), (4, 197, 48, 98), (3, 120, 8, 117), (2, 300, 16, 150), (5, 9, 4, 1)],
+)
+@pytest.mark.parametrize("start", ["topk", "random"])
+def test_kernel_plans_equal_the_batched_plans(
+    dtype: torch.dtype, b: int, n: int, c: int, k: int, start: str, monkeypatch
+) -> None:
+    """Weighted and unweighted, from the top-K start and from random starts (which move
+    many medoids over several updates)."""
+    x, w = _clustered(b, n, c, seed=n + k, dtype=dtype)
+    gen = torch.Generator().manual_seed(k)
+    init = (
+        None
+        if start == "topk"
+        else init_centers(None, k, num_tokens=n, batch=b, mode="random", generator=gen)
+    )
+    moved = False
+    for weights in (w, None):
+        kernel = kmedoids_plan(x, k, weights=weights, init=init, max_iters=8)
+        batched = _batched(monkeypatch, x, k, weights=weights, init=init, max_iters=8)
+        assert torch.equal(kernel.assign, batched.assign)
+        assert torch.equal(kernel.medoids, batched.medoids)
+        moved |= not torch.equal(
+            kernel.medoids, kmedoids_plan(x, k, weights=weights, init=init, max_iters=0).medoids
+        )
+    assert moved or start == "topk" or k == 1  # random starts must exercise the updates
+
+
+def test_identical_medoids_keep_identical_distance_rows(monkeypatch) -> None:
+    """A medoid that moves onto a copy of another medoid's token must tie with it exactly
+    (the first in medoid order takes the tokens), although the caller's matrix product
+    made the other's distances: with every token duplicated, any rounding difference
+    between the two would send tokens to the second copy."""
+    x, w = _clustered(6, 20, 12, seed=3, dtype=torch.float32)
+    x, w = torch.cat([x, x], dim=1), torch.cat([w, w], dim=1)  # token i + 20 is token i
+    gen = torch.Generator().manual_seed(0)
+    for k in (3, 9, 17):
+        init = init_centers(None, k, num_tokens=40, batch=6, mode="random", generator=gen)
+        kernel = kmedoids_plan(x, k, weights=w, init=init, max_iters=10)
+        batched = _batched(monkeypatch, x, k, weights=w, init=init, max_iters=10)
+        assert torch.equal(kernel.assign, batched.assign)
+        assert torch.equal(kernel.medoids, batched.medoids)
+
+
+def test_plans_do_not_depend_on_the_thread_count() -> None:
+    """Examples run in parallel, each in one task: the plan is the same with 1 or 2 threads."""
+    x, w = _clustered(9, 80, 24, seed=1, dtype=torch.float32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kmedoids_plan(x, 30, weights=w)
+        torch.set_num_threads(2)
+        two = kmedoids_plan(x, 30, weights=w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one.assign, two.assign) and torch.equal(one.medoids, two.medoids)
+
+
+def _inputs(b: int = 2, n: int = 10, c: int = 3, k: int = 4):
+    x, w = _clustered(b, n, c, seed=0, dtype=torch.float32)
+    xc = centred(x)
+    sq = torch.linalg.vector_norm(xc, dim=-1).square()
+    medoids = w.topk(k, dim=1).indices
+    return xc, sq, w, medoids, medoid_distances(xc, sq, medoids)
+
+
+def test_the_kernel_leaves_its_inputs_alone() -> None:
+    xc, sq, w, medoids, table = _inputs()
+    copies = [t.clone() for t in (xc, sq, w, medoids, table.others, table.dists)]
+    kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, table, 5)
+    for t, copy in zip((xc, sq, w, medoids, table.others, table.dists), copies, strict=True):
+        assert torch.equal(t, copy)
+
+
+def test_bad_kernel_inputs_raise_clear_errors(monkeypatch) -> None:
+    xc, sq, w, medoids, table = _inputs()
+    with pytest.raises(RuntimeError, match="one floating type"):
+        kmedoids_native.iterate_on_cpu(xc, sq, w.double(), medoids, table, 5)
+    with pytest.raises(RuntimeError, match=r"dist must be \[B, K, N - K\]"):
+        kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, table._replace(dists=table.dists[:, :, 1:]), 5)
+    with pytest.raises(RuntimeError, match="int64"):
+        kmedoids_native.iterate_on_cpu(xc, sq, w, medoids.int(), table, 5)
+    monkeypatch.setattr(kmedoids_native, "_kernel", None)
+    with pytest.raises(RuntimeError, match="without its C\\+\\+ K-Medoids kernel"):
+        kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, table, 5)
+
+
+def test_flop_counters_count_the_distances_the_kernel_computes(monkeypatch) -> None:
+    """Five tokens on a line, medoids 0 and 3: the first update moves medoid 0 to token 1
+    (the middle of 0, 1, 2) and keeps 3 (a two-token tie), the second changes nothing.
+    Counted: the initial table (2 medoids x all 5 tokens: the product reads every token
+    when the others are over half of them), then the moved medoid's row (3 distances) and
+    the column its old token takes (2), C multiply-adds each."""
+    from leanformer.bench.flops import flop_counter
+
+    c = 4
+    x = torch.tensor([0.0, 1.0, 2.0, 10.0, 11.0])[None, :, None].expand(1, 5, c).contiguous()
+    init = torch.tensor([[0, 3]])
+    with flop_counter() as counter:
+        plan = kmedoids_plan(x, 2, init=init)
+    assert plan.medoids.tolist() == [[1, 3]]
+    assert counter.get_total_flops() == 2 * (2 * 5 + 3 + 2) * c
+    with flop_counter() as counter:  # no update, no recomputed distance
+        kmedoids_plan(x, 2, init=init, max_iters=0)
+    assert counter.get_total_flops() == 2 * (2 * 5) * c
