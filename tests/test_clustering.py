@@ -90,6 +90,7 @@ def eager_kmedoids(request, monkeypatch) -> str:
 
     if request.param == "batched":
         monkeypatch.setattr(kmedoids_native, "_kernel", None)
+        monkeypatch.setattr(kmedoids_native, "_warned", True)
     return request.param
 
 

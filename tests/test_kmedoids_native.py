@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -22,7 +24,20 @@ def test_the_package_was_built_with_the_kernel() -> None:
 def _batched(monkeypatch: pytest.MonkeyPatch, *args, **kwargs):
     with monkeypatch.context() as m:
         m.setattr(kmedoids_native, "_kernel", None)
+        m.setattr(kmedoids_native, "_warned", True)
         return kmedoids_plan(*args, **kwargs)
+
+
+def test_without_the_kernel_plans_warn_once_and_still_plan(monkeypatch) -> None:
+    x, w = _clustered(2, 20, 4, seed=0, dtype=torch.float32)
+    monkeypatch.setattr(kmedoids_native, "_kernel", None)
+    monkeypatch.setattr(kmedoids_native, "_warned", False)
+    with pytest.warns(kmedoids_native.MissingKernelWarning, match="without its C\\+\\+ K-Medoids kernel"):
+        first = kmedoids_plan(x, 5, weights=w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = kmedoids_plan(x, 5, weights=w)
+    assert torch.equal(first.assign, second.assign)
 
 
 def _clustered(b: int, n: int, c: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,9 +140,8 @@ def test_bad_kernel_inputs_raise_clear_errors(monkeypatch) -> None:
 def test_flop_counters_count_the_distances_the_kernel_computes(monkeypatch) -> None:
     """Five tokens on a line, medoids 0 and 3: the first update moves medoid 0 to token 1
     (the middle of 0, 1, 2) and keeps 3 (a two-token tie), the second changes nothing.
-    Counted: the initial table (2 medoids x all 5 tokens: the product reads every token
-    when the others are over half of them), then the moved medoid's row (3 distances) and
-    the column its old token takes (2), C multiply-adds each."""
+    Counted: the initial K x (N - K) = 2 x 3 table, then the moved medoid's row (3
+    distances) and the column its old token takes (2), C multiply-adds each."""
     from leanformer.bench.flops import flop_counter
 
     c = 4
@@ -136,7 +150,7 @@ def test_flop_counters_count_the_distances_the_kernel_computes(monkeypatch) -> N
     with flop_counter() as counter:
         plan = kmedoids_plan(x, 2, init=init)
     assert plan.medoids.tolist() == [[1, 3]]
-    assert counter.get_total_flops() == 2 * (2 * 5 + 3 + 2) * c
+    assert counter.get_total_flops() == 2 * (2 * 3 + 3 + 2) * c
     with flop_counter() as counter:  # no update, no recomputed distance
         kmedoids_plan(x, 2, init=init, max_iters=0)
-    assert counter.get_total_flops() == 2 * (2 * 5) * c
+    assert counter.get_total_flops() == 2 * (2 * 3) * c

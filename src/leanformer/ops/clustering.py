@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from leanformer.ops.hashed_noise import uniform_noise
-from leanformer.ops.kmedoids_native import iterate_on_cpu, kernel_available
+from leanformer.ops.kmedoids_native import iterate_on_cpu, kernel_available, warn_once_without_kernel
 from leanformer.ops.medoid_distances import MedoidDistances, medoid_distances, nearest_medoids
 from leanformer.ops.segment_sum import flat_rows, segment_sum
 from leanformer.ops.token_distances import centred, pairwise_sq_dists, token_sq_dists
@@ -379,12 +379,14 @@ def kmedoids_plan(
     medoids = _default_init(init, weights, k, N, B, x.device)
     xc = centred(x.detach())
     w = _weights(x, weights, xc.dtype)
-    if _reads_back(xc) and kernel_available():
-        # Eager on the CPU: the iterations in C++, one example at a time.
-        sq_norms = torch.linalg.vector_norm(xc, dim=-1).square()
-        table = medoid_distances(xc, sq_norms, medoids)
-        assign, medoids = iterate_on_cpu(xc, sq_norms, w, medoids, table, max_iters)
-        return ClusterPlan(assign=assign, medoids=medoids, centers=None)
+    if _reads_back(xc):
+        if kernel_available():
+            # Eager on the CPU: the iterations in C++, one example at a time.
+            sq_norms = torch.linalg.vector_norm(xc, dim=-1).square()
+            table = medoid_distances(xc, sq_norms, medoids)
+            assign, medoids = iterate_on_cpu(xc, sq_norms, w, medoids, table, max_iters)
+            return ClusterPlan(assign=assign, medoids=medoids, centers=None)
+        warn_once_without_kernel()
     every_pair = None if _update_from_means(N, C, k) else token_sq_dists(xc)
     sq_norms = xc.new_empty(0)  # |x|^2, needed by the update from means and its table
     if every_pair is None:

@@ -16,6 +16,7 @@ compiler the package installs without it, and :func:`kernel_available` says so.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 import torch
@@ -46,9 +47,31 @@ def _counting() -> bool:
     return bool(torch._C._len_torch_dispatch_stack())
 
 
+class MissingKernelWarning(UserWarning):
+    """The package was installed without its C++ K-Medoids kernel."""
+
+
+_warned = False
+
+
 def kernel_available() -> bool:
     """Whether the package was built with the C++ K-Medoids iterations."""
     return _kernel is not None
+
+
+def warn_once_without_kernel() -> None:
+    """Say once per process that eager CPU K-Medoids runs the slower batched code."""
+    global _warned
+    if _kernel is None and not _warned:
+        _warned = True
+        warnings.warn(
+            "leanformer was installed without its C++ K-Medoids kernel "
+            "(leanformer.ops._kmedoids_cpu), so K-Medoids runs its batched PyTorch code on "
+            "the CPU: the same plans, slower. Reinstall where a C++ compiler is available: "
+            "pip install --no-build-isolation -e .",
+            MissingKernelWarning,
+            stacklevel=3,
+        )
 
 
 def iterate_on_cpu(
