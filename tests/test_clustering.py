@@ -91,6 +91,8 @@ def eager_kmedoids(request, monkeypatch) -> str:
     if request.param == "batched":
         monkeypatch.setattr(kmedoids_native, "_kernel", None)
         monkeypatch.setattr(kmedoids_native, "_warned", True)
+    else:
+        assert kmedoids_native.kernel_available(), "the package was built without its C++ kernel"
     return request.param
 
 

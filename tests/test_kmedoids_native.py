@@ -94,6 +94,52 @@ def test_identical_medoids_keep_identical_distance_rows(monkeypatch) -> None:
         assert torch.equal(kernel.medoids, batched.medoids)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", range(4))
+def test_duplicates_and_weightless_tokens_give_the_plans_of_the_batched_update_from_means(
+    dtype: torch.dtype, seed: int, monkeypatch
+) -> None:
+    """Four tokens twice, a third of the weights 0: identical members tie exactly, and so
+    do the members of weightless clusters. The kernel updates from the cluster means; so
+    does the batched code forced to that form (its update from all pair distances rounds
+    the distance between identical tokens above 0, and breaks such ties by weight).
+    Ties of exact arithmetic between different tokens are broken by rounding, differently
+    by the two, and are left out: small integers, or a cluster of two tokens twice each,
+    whose mean lies half-way between them."""
+    from leanformer.ops import clustering
+
+    g = torch.Generator().manual_seed(seed)
+    b, n, c = 8, 24, 3
+    x = torch.randn(b, n - 4, c, generator=g, dtype=dtype)
+    x = torch.cat([x, x[:, torch.randperm(n - 4, generator=g)[:4]]], dim=1)
+    w = torch.rand(b, n, generator=g, dtype=dtype) * (torch.rand(b, n, generator=g) > 0.33)
+    monkeypatch.setattr(clustering, "_update_from_means", lambda n, c, k: True)
+    for k in (1, 5, 12, 23):
+        init = init_centers(None, k, num_tokens=n, batch=b, mode="random", generator=g)
+        for weights in (w, None):
+            kernel = kmedoids_plan(x, k, weights=weights, init=init, max_iters=10)
+            batched = _batched(monkeypatch, x, k, weights=weights, init=init, max_iters=10)
+            assert torch.equal(kernel.assign, batched.assign)
+            assert torch.equal(kernel.medoids, batched.medoids)
+
+
+def test_not_a_number_is_a_clear_error_and_overflow_no_crash(monkeypatch) -> None:
+    x, w = _clustered(3, 12, 4, seed=2, dtype=torch.float32)
+    bad = x.clone()
+    bad[1, 5, 2] = float("nan")
+    with pytest.raises(ValueError, match="finite tokens and weights"):
+        kmedoids_plan(bad, 4, weights=w)
+    bad_w = w.clone()
+    bad_w[2, 0] = float("nan")
+    with pytest.raises(ValueError, match="finite tokens and weights"):
+        kmedoids_plan(x, 4, weights=bad_w)
+    # Finite tokens whose squared norms overflow float32: every score is +inf, and the
+    # cluster's first member is its medoid, as in the batched code.
+    huge = torch.tensor([[[2e19, 0.0], [-2e19, 0.0], [0.0, 2e19], [0.0, -2e19]]])
+    plan = kmedoids_plan(huge, 1, init=torch.tensor([[2]]))
+    assert plan.medoids.tolist() == _batched(monkeypatch, huge, 1, init=torch.tensor([[2]])).medoids.tolist()
+
+
 def test_plans_do_not_depend_on_the_thread_count() -> None:
     """Examples run in parallel, each in one task: the plan is the same with 1 or 2 threads."""
     x, w = _clustered(9, 80, 24, seed=1, dtype=torch.float32)
@@ -132,6 +178,10 @@ def test_bad_kernel_inputs_raise_clear_errors(monkeypatch) -> None:
         kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, table._replace(dists=table.dists[:, :, 1:]), 5)
     with pytest.raises(RuntimeError, match="int64"):
         kmedoids_native.iterate_on_cpu(xc, sq, w, medoids.int(), table, 5)
+    repeated = medoids.clone()
+    repeated[0, 1] = repeated[0, 0]
+    with pytest.raises(ValueError, match="the N tokens, each once"):
+        kmedoids_native.iterate_on_cpu(xc, sq, w, repeated, table, 5)
     monkeypatch.setattr(kmedoids_native, "_kernel", None)
     with pytest.raises(RuntimeError, match="without its C\\+\\+ K-Medoids kernel"):
         kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, table, 5)

@@ -24,6 +24,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -38,10 +40,12 @@ T dot(const T* a, const T* b, int64_t n) {
   return sum;
 }
 
-// Squared distance |x_a|^2 + |x_b|^2 - 2 x_a.x_b between tokens a and b, at least 0.
+// Squared distance between medoid token a and token b, at least 0, summed in the order
+// of the caller's product (leanformer.ops.token_distances.pairwise_sq_dists):
+// (|x_b|^2 - 2 x_a.x_b) + |x_a|^2.
 template <typename T>
 T sq_dist(const T* x, const T* sq, int64_t a, int64_t b, int64_t c) {
-  const T d = sq[a] + sq[b] - T(2) * dot(x + a * c, x + b * c, c);
+  const T d = (sq[b] - T(2) * dot(x + a * c, x + b * c, c)) + sq[a];
   return d > T(0) ? d : T(0);
 }
 
@@ -57,6 +61,9 @@ struct Example {
   int64_t* work;      // distances computed (a count, for the FLOP counters)
   int64_t n, k, m, c;
 };
+
+// What a task found wrong with its example; reported after the parallel loop.
+enum class Fault : int { none = 0, not_a_partition, not_finite };
 
 template <typename T>
 void assign_nearest(const Example<T>& e, std::vector<T>& best, std::vector<int64_t>& nearest) {
@@ -115,6 +122,9 @@ void medoids_from_means(const Example<T>& e, std::vector<T>& means, std::vector<
   }
   std::fill(best_score.begin(), best_score.end(), std::numeric_limits<T>::infinity());
   std::fill(new_medoids.begin(), new_medoids.end(), n);
+  // Members in index order: the first member of each cluster keeps it when no score is
+  // below +inf (norms that overflow), as the batched code's minimum does.
+  for (int64_t i = n - 1; i >= 0; --i) new_medoids[e.assign[i]] = i;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t j = e.assign[i];
     // Exact ties that the rounding of the mean would break at random score alike: the
@@ -143,12 +153,34 @@ int64_t unmoved_twin(const Example<T>& e, int64_t j, const std::vector<char>& mo
   return -1;
 }
 
+// Whether the medoids and the other tokens are the N tokens, each once; whether the
+// norms and weights are numbers (a NaN token gives a NaN norm).
 template <typename T>
-void run_example(const Example<T>& e, int64_t max_iters) {
+Fault check_example(const Example<T>& e, std::vector<int64_t>& column_of) {
+  std::fill(column_of.begin(), column_of.end(), -2);
+  for (int64_t j = 0; j < e.k; ++j) {
+    const int64_t t = e.medoids[j];
+    if (t < 0 || t >= e.n || column_of[t] != -2) return Fault::not_a_partition;
+    column_of[t] = -1;
+  }
+  for (int64_t i = 0; i < e.m; ++i) {
+    const int64_t t = e.others[i];
+    if (t < 0 || t >= e.n || column_of[t] != -2) return Fault::not_a_partition;
+    column_of[t] = i;
+  }
+  for (int64_t i = 0; i < e.n; ++i) {
+    if (std::isnan(e.sq[i]) || std::isnan(e.w[i])) return Fault::not_finite;
+  }
+  return Fault::none;
+}
+
+template <typename T>
+Fault run_example(const Example<T>& e, int64_t max_iters) {
   std::vector<T> best(e.m), means(e.k * e.c), total(e.k), best_score(e.k);
-  std::vector<int64_t> nearest(e.m), members(e.k), new_medoids(e.k), column_of(e.n, -1), moved, columns;
+  std::vector<int64_t> nearest(e.m), members(e.k), new_medoids(e.k), column_of(e.n), moved, columns;
   std::vector<char> is_moved(e.k);
-  for (int64_t i = 0; i < e.m; ++i) column_of[e.others[i]] = i;
+  const Fault fault = check_example(e, column_of);
+  if (fault != Fault::none) return fault;
   assign_nearest(e, best, nearest);
   for (int64_t it = 0; it < max_iters; ++it) {
     medoids_from_means(e, means, total, members, best_score, new_medoids);
@@ -161,6 +193,7 @@ void run_example(const Example<T>& e, int64_t max_iters) {
       // The new medoid is a member of cluster j, so it was one of the other tokens; the
       // old medoid takes its column.
       const int64_t i = column_of[now];
+      if (i < 0) return Fault::not_a_partition;  // cannot happen: a member is not a medoid
       e.others[i] = old;
       column_of[old] = i;
       column_of[now] = -1;
@@ -169,7 +202,7 @@ void run_example(const Example<T>& e, int64_t max_iters) {
       is_moved[j] = 1;
       columns.push_back(i);
     }
-    if (moved.empty()) break;  // a fixed point: every later iteration would give it again
+    if (moved.empty()) return Fault::none;  // a fixed point: later iterations would give it again
     for (const int64_t j : moved) {
       const int64_t twin = unmoved_twin(e, j, is_moved);
       if (twin < 0) {
@@ -181,10 +214,11 @@ void run_example(const Example<T>& e, int64_t max_iters) {
     for (const int64_t i : columns) recompute_column(e, i);
     assign_nearest(e, best, nearest);
   }
+  return Fault::none;
 }
 
 template <typename T>
-void run_batch(const at::Tensor& x, const at::Tensor& sq, const at::Tensor& w, at::Tensor& dist,
+Fault run_batch(const at::Tensor& x, const at::Tensor& sq, const at::Tensor& w, at::Tensor& dist,
                at::Tensor& medoids, at::Tensor& others, at::Tensor& assign, at::Tensor& work,
                int64_t max_iters) {
   const int64_t batch = x.size(0), n = x.size(1), c = x.size(2), k = medoids.size(1), m = n - k;
@@ -196,13 +230,16 @@ void run_batch(const at::Tensor& x, const at::Tensor& sq, const at::Tensor& w, a
   int64_t* op = others.data_ptr<int64_t>();
   int64_t* ap = assign.data_ptr<int64_t>();
   int64_t* wk = work.data_ptr<int64_t>();
+  std::atomic<int> fault{static_cast<int>(Fault::none)};
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const Example<T> e{xp + b * n * c, sqp + b * n, wp + b * n, dp + b * k * m, mp + b * k,
                          op + b * m,     ap + b * n,  wk + b,     n,              k,          m, c};
-      run_example(e, max_iters);
+      const Fault found = run_example(e, max_iters);
+      if (found != Fault::none) fault.store(static_cast<int>(found));
     }
   });
+  return static_cast<Fault>(fault.load());
 }
 
 }  // namespace
@@ -235,12 +272,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor
   at::Tensor new_others = others.clone(at::MemoryFormat::Contiguous);
   at::Tensor assign = at::empty({batch, n}, medoids.options());
   at::Tensor work = at::zeros({batch}, medoids.options());
+  Fault fault = Fault::none;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "kmedoids_iterate", [&] {
-    run_batch<scalar_t>(x, sq, w, table, new_medoids, new_others, assign, work, max_iters);
+    fault = run_batch<scalar_t>(x, sq, w, table, new_medoids, new_others, assign, work, max_iters);
   });
+  TORCH_CHECK_VALUE(fault != Fault::not_a_partition,
+                    "K-Medoids: the medoids and the other tokens must be the N tokens, each once");
+  TORCH_CHECK_VALUE(fault != Fault::not_finite, "K-Medoids needs finite tokens and weights (got NaN)");
   return {assign, new_medoids, work};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("kmedoids_iterate", &kmedoids_iterate, "Weighted K-Medoids iterations, one example per task");
+  // The loops touch no Python object: other Python threads (data loaders) may run meanwhile.
+  m.def("kmedoids_iterate", &kmedoids_iterate, "Weighted K-Medoids iterations, one example per task",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -70,7 +70,7 @@ def warn_once_without_kernel() -> None:
             "the CPU: the same plans, slower. Reinstall where a C++ compiler is available: "
             "pip install --no-build-isolation -e .",
             MissingKernelWarning,
-            stacklevel=3,
+            stacklevel=4,  # past kmedoids_plan and its no_grad wrapper
         )
 
 
