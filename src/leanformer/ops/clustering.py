@@ -302,6 +302,13 @@ def _medoid_table(
     return MedoidDistances(torch.arange(N, device=rows.device).expand(B, N), rows)
 
 
+def _sq_norms(xc: Tensor) -> Tensor:
+    """``|x|^2`` of every token of ``xc [B, N, C]`` -> ``[B, N]``, for K-Medoids' table and
+    its update from means. One fused reduction: a third of the time of
+    ``(xc * xc).sum(-1)`` on CPU."""
+    return torch.linalg.vector_norm(xc, dim=-1).square()
+
+
 def _medoids_from_means(xc: Tensor, sq_norms: Tensor, w: Tensor, assign: Tensor, k: int) -> Tensor:
     """The new medoid of every cluster (eqs. 12/17) from the cluster means -> ``[B, K]``.
 
@@ -383,7 +390,7 @@ def kmedoids_plan(
     if _reads_back(xc):
         if kernel_available():
             # Eager on the CPU: the iterations in C++, one example at a time.
-            sq_norms = torch.linalg.vector_norm(xc, dim=-1).square()
+            sq_norms = _sq_norms(xc)
             table = medoid_distances(xc, sq_norms, medoids)
             assign, medoids = iterate_on_cpu(xc, sq_norms, w, medoids, table, max_iters)
             return ClusterPlan(assign=assign, medoids=medoids, centers=None)
@@ -391,8 +398,7 @@ def kmedoids_plan(
     every_pair = None if _update_from_means(N, C, k) else token_sq_dists(xc)
     sq_norms = xc.new_empty(0)  # |x|^2, needed by the update from means and its table
     if every_pair is None:
-        # One fused reduction: a third of the time of (xc * xc).sum(-1) on CPU.
-        sq_norms = torch.linalg.vector_norm(xc, dim=-1).square()
+        sq_norms = _sq_norms(xc)
 
     def iteration(medoids: Tensor, assign: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if every_pair is None:
