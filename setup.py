@@ -1,10 +1,11 @@
 """Builds the optional C++ kernel; everything else is in pyproject.toml.
 
-``leanformer.ops._kmedoids_cpu`` runs K-Medoids iterations on the CPU
-(``src/leanformer/ops/kmedoids_cpu.cpp``). It needs torch at build time, so it is built
-without build isolation (``pip install --no-build-isolation -e .``, as the Makefile
-does). Where it cannot be built (no torch, no C++ compiler), the package installs
-without it and the plans run their batched PyTorch code.
+Two kernels for eager CPU runs: ``leanformer.ops._kmedoids_cpu`` runs K-Medoids
+iterations (``src/leanformer/ops/kmedoids_cpu.cpp``), ``leanformer.ops._attention_received_cpu``
+attention with received scores (``src/leanformer/ops/attention_received_cpu.cpp``). They
+need torch at build time, so they are built without build isolation (``pip install
+--no-build-isolation -e .``, as the Makefile does). Where they cannot be built (no torch,
+no C++ compiler), the package installs without them and runs its PyTorch code instead.
 """
 
 from setuptools import setup
@@ -14,14 +15,20 @@ try:
 except ImportError:  # built in isolation, without torch: the package runs without the kernel
     ext_modules, cmdclass = [], {}
 else:
+    # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers, so without it the
+    # examples run one after another (at run time the library uses torch's libgomp, which
+    # is already loaded under the same soname). -fno-trapping-math -fno-math-errno, as
+    # torch itself is built: loops with float comparisons and exp vectorise.
+    flags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
     ext_modules = [
         CppExtension(
-            "leanformer.ops._kmedoids_cpu",
-            ["src/leanformer/ops/kmedoids_cpu.cpp"],
-            # -fopenmp-simd: the dot products' reductions vectorise (no OpenMP runtime).
-            extra_compile_args=["-O3", "-fopenmp-simd"],
+            f"leanformer.ops._{name}",
+            [f"src/leanformer/ops/{name}.cpp"],
+            extra_compile_args=flags,
+            extra_link_args=["-fopenmp"],
             optional=True,
         )
+        for name in ("kmedoids_cpu", "attention_received_cpu")
     ]
     cmdclass = {"build_ext": BuildExtension.with_options(no_python_abi_suffix=False)}
 

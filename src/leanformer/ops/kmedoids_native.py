@@ -15,24 +15,15 @@ compiler the package installs without it, and :func:`kernel_available` says so.
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from leanformer.ops.medoid_distances import MedoidDistances
+from leanformer.ops.native import MissingKernelWarning, counting, load, warn_missing
 
+__all__ = ["MissingKernelWarning", "iterate_on_cpu", "kernel_available", "warn_once_without_kernel"]
 
-def _load() -> Any:
-    try:
-        return importlib.import_module("leanformer.ops._kmedoids_cpu")
-    except ImportError:
-        return None
-
-
-_kernel = _load()
+_kernel = load("_kmedoids_cpu")
 
 
 @torch.library.custom_op("leanformer::medoid_distance_work", mutates_args=())
@@ -40,15 +31,6 @@ def distance_work(xc: Tensor, distances: int) -> None:
     """Does nothing: a FLOP counter (:mod:`leanformer.bench.flops`) counts ``distances``
     squared distances between tokens of ``xc [B, N, C]``, ``C`` multiply-adds each, which
     the kernel computed where the counter cannot see them."""
-
-
-def _counting() -> bool:
-    """Whether a dispatch mode (a FLOP counter) is watching the operations."""
-    return bool(torch._C._len_torch_dispatch_stack())
-
-
-class MissingKernelWarning(UserWarning):
-    """The package was installed without its C++ K-Medoids kernel."""
 
 
 _warned = False
@@ -64,12 +46,10 @@ def warn_once_without_kernel() -> None:
     global _warned
     if _kernel is None and not _warned:
         _warned = True
-        warnings.warn(
+        warn_missing(
             "leanformer was installed without its C++ K-Medoids kernel "
             "(leanformer.ops._kmedoids_cpu), so K-Medoids runs its batched PyTorch code on "
-            "the CPU: the same plans, slower. Reinstall where a C++ compiler is available: "
-            "pip install --no-build-isolation -e .",
-            MissingKernelWarning,
+            "the CPU: the same plans, slower.",
             stacklevel=4,  # past kmedoids_plan and its no_grad wrapper
         )
 
@@ -88,7 +68,7 @@ def iterate_on_cpu(
     assign, medoids, work = _kernel.kmedoids_iterate(
         xc, sq_norms, weights, medoids, table.others, table.dists, max_iters
     )
-    if _counting():
+    if counting():
         # The distances recomputed for moved medoids, which the batched plan computes
         # with matrix products that a FLOP counter sees.
         distance_work(xc, int(work.sum()))

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from leanformer.ops import attention_native
+
 # Numbers in one eager-CPU block: its heads' logits stay in a core's cache (1 MiB in
 # float32); a single head may take up to four times that rather than split its queries,
 # which measured no faster at 785 keys (batch 8, 1 thread).
@@ -183,6 +185,9 @@ def blocked_attention_received(
         # it) gets them expanded to its own: every block then cuts all four alike.
         lead = _items_and_heads(q, mask)
         q, k, v = (t.expand(*lead, *t.shape[2:]) for t in (q, k, v))
+    if block is None and attention_native.applies(q, k, v, mask, dropout_p, _needs_graph(q, k, v, mask)):
+        out, received = attention_native.attention_received(q, k, v, mask, scale)
+        return out.transpose(1, 2), received
     batch, heads, num_queries, head_dim = q.shape
     num_keys = k.shape[-2]
     items, heads_per, rows = default_block(q, num_keys) if block is None else block

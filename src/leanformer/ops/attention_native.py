@@ -1,0 +1,85 @@
+"""Attention with received scores in C++ for eager CPU inference (``attention_received_cpu.cpp``).
+
+:func:`leanformer.ops.received.blocked_attention_received` computes the probabilities
+block by block with tensor operations, so that it can differentiate them; for inference on
+the CPU this kernel does the same arithmetic in one pass per (item, head, block of
+queries): a BLAS product for the logits, the softmax and its column sums while they are
+in cache, a BLAS product for the output. It measured as fast as PyTorch's fused attention
+(which gives no scores) and 1.2-2.5x faster than the tensor blocks; figures in
+``docs/BENCHMARKS.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from leanformer.ops.native import counting, load, warn_missing
+
+_kernel = load("_attention_received_cpu")
+_warned = False
+
+# Queries per task: the task's logits (rows x keys) stay within about 256 KiB, in the
+# core's cache through the softmax and the second product (at 785 keys, 64 to 128 rows
+# measured alike; all 785 rows 1.05-1.1x slower).
+_TASK_LOGITS = 1 << 16
+
+
+def kernel_available() -> bool:
+    """Whether the package was built with the C++ attention kernel."""
+    return _kernel is not None
+
+
+def applies(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, needs_graph: bool
+) -> bool:
+    """Whether :func:`attention_received` may stand in for the tensor blocks: eager CPU
+    inference in float32 or float64, no dropout, no FLOP counter watching (it would not
+    see the kernel's products), values as wide as the queries."""
+    if q.device.type != "cpu" or needs_graph or dropout_p > 0.0 or torch.compiler.is_compiling():
+        return False
+    if q.dtype not in (torch.float32, torch.float64) or not q.dtype == k.dtype == v.dtype or counting():
+        return False
+    if v.shape[-1] != q.shape[-1] or (mask is not None and mask.device.type != "cpu"):
+        return False
+    if _kernel is None:
+        _warn_once()
+        return False
+    return True
+
+
+def _warn_once() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warn_missing(
+            "leanformer was installed without its C++ attention kernel "
+            "(leanformer.ops._attention_received_cpu), so attention with received scores runs "
+            "its PyTorch blocks on the CPU: the same results, slower.",
+            stacklevel=5,  # past applies, blocked_attention_received and attention
+        )
+
+
+def _blas_rows(t: Tensor) -> Tensor:
+    """``t`` itself when a BLAS product can step through its rows, else a contiguous copy."""
+    if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1]:
+        return t
+    return t.contiguous()
+
+
+def attention_received(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """``(out [B, Nq, H, D], received [B, Nk])`` for ``q [B, H, Nq, D]``, ``k, v [B, H, Nk, D]``
+    (already broadcast to the mask's items and heads) and an additive ``mask``
+    broadcastable to ``[B, H, Nq, Nk]``. Needs :func:`applies`."""
+    if _kernel is None:
+        raise RuntimeError("leanformer was installed without its C++ attention kernel")
+    batch, heads, num_queries, _ = q.shape
+    num_keys = k.shape[-2]
+    if mask is not None:
+        mask = mask.to(q.dtype).expand(batch, heads, num_queries, num_keys)
+        if mask.stride(-1) not in (0, 1):
+            mask = mask.contiguous()
+    rows = min(num_queries, max(16, _TASK_LOGITS // max(num_keys, 1)))
+    return _kernel.attention_received(_blas_rows(q), _blas_rows(k), _blas_rows(v), mask, scale, rows)

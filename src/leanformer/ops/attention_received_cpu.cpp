@@ -1,0 +1,216 @@
+// Attention and the attention each key received, on the CPU, in one pass over the logits.
+//
+// The received score of key j is r_j = sum_h sum_i p_hij, a column sum of the softmax
+// probabilities (PoWER-BERT, Token Pooling). PyTorch's fused attention never shows its
+// probabilities, so leanformer/ops/received.py computes them block by block with three
+// tensor operations and a softmax; at token pooling's sizes that measured 1.2-2.5x the
+// time of the fused kernel. Here each task takes one (item, head, block of queries) and,
+// while the block's logits are in the core's cache:
+//
+//   logits   s = scale * q k^T (+ mask)          one BLAS product
+//   softmax  p = exp(s - max) / sum, per row    one vectorised pass
+//   scores   the task's column sums of p         the same pass
+//   output   p v, written into out[b, rows, h]   one BLAS product
+//
+// Tasks run in parallel (at::parallel_for); each writes its own rows of the output and
+// its own row of column sums, which are added up afterwards, so no task waits on another.
+// Inference only: no autograd, no dropout (the Python code handles those).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+// The BLAS that PyTorch links (its symbols are exported by libtorch_cpu), Fortran calling
+// convention. MKL's per-thread thread count, when it is MKL: a product inside a task must
+// not start threads of its own.
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+            const float* beta, float* c, const int* ldc);
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const double* alpha, const double* a, const int* lda, const double* b, const int* ldb,
+            const double* beta, double* c, const int* ldc);
+int MKL_Set_Num_Threads_Local(int threads) __attribute__((weak));
+}
+
+namespace {
+
+// Column-major BLAS on row-major matrices: a row-major [m x n] matrix with row stride ld
+// is the column-major [n x m] matrix with leading dimension ld.
+void gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
+          float* c, int ldc) {
+  const float beta = 0.f;
+  sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+void gemm(char ta, char tb, int m, int n, int k, double alpha, const double* a, int lda, const double* b,
+          int ldb, double* c, int ldc) {
+  const double beta = 0.0;
+  dgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+// exp(x) for x <= 0 (a logit minus its row's maximum), vectorisable: x = k ln2 + r with
+// |r| <= ln2 / 2, exp(r) by its degree-7 Taylor-like polynomial (Cephes' expf
+// coefficients), 2^k by the exponent bits. Relative error within 2 float32 ulps. Below
+// -87.3 (where 2^k leaves the normal floats) the result is 0, as a masked key's (-inf)
+// must be; NaN stays NaN.
+inline float exp_nonpositive(float x) {
+  const bool underflow = x < -87.3f;
+  x = underflow ? 0.f : x;
+  const float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - k * 0.693359375f;  // ln2 in two parts, so r carries no rounding of k ln2
+  r = r + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const float two_k = std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
+  return underflow ? 0.f : p * two_k;
+}
+
+inline double exp_nonpositive(double x) { return std::exp(x); }
+
+// Softmax over each of `rows` rows of s [rows, n] (+ the mask's rows) in place, adding the
+// probabilities into received [n]. target_clones: the loops are compiled for AVX-512,
+// AVX2 and plain x86-64, and the CPU picks one at load time.
+template <typename T>
+__attribute__((target_clones("avx512f", "avx2", "default"))) void softmax_rows_into(
+    T* s, int64_t rows, int64_t n, const T* mask, int64_t mask_row_stride, int64_t mask_key_stride,
+    T* received) {
+  for (int64_t i = 0; i < rows; ++i) {
+    T* row = s + i * n;
+    if (mask != nullptr) {
+      const T* mrow = mask + i * mask_row_stride;
+      if (mask_key_stride == 1) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) row[j] += mrow[j];
+      } else {
+        for (int64_t j = 0; j < n; ++j) row[j] += mrow[j * mask_key_stride];
+      }
+    }
+    T top = -std::numeric_limits<T>::infinity();
+#pragma omp simd reduction(max : top)
+    for (int64_t j = 0; j < n; ++j) top = row[j] > top ? row[j] : top;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - top);
+    T sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) sum += row[j];
+    const T inverse = T(1) / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      const T p = row[j] * inverse;
+      row[j] = p;
+      received[j] += p;
+    }
+  }
+}
+
+struct Strides {
+  int64_t item, head, row;
+};
+
+Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* mask, double scale,
+         int64_t block_rows, at::Tensor& out, at::Tensor& shares) {
+  const int64_t batch = q.size(0), heads = q.size(1), num_queries = q.size(2), head_dim = q.size(3);
+  const int64_t num_keys = k.size(2);
+  const int64_t blocks = (num_queries + block_rows - 1) / block_rows;
+  const Strides qs = strides_of(q), ks = strides_of(k), vs = strides_of(v);
+  Strides ms{0, 0, 0};
+  int64_t mask_key_stride = 0;
+  const T* mp = nullptr;
+  if (mask != nullptr) {
+    ms = strides_of(*mask);
+    mask_key_stride = mask->stride(3);
+    mp = mask->data_ptr<T>();
+  }
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  T* sp = shares.data_ptr<T>();
+  const T alpha = static_cast<T>(scale);
+  at::parallel_for(0, batch * heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    const int saved_threads = MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0;
+    std::vector<T> logits(block_rows * num_keys);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (heads * blocks), h = (task / blocks) % heads, first = (task % blocks) * block_rows;
+      const int rows = static_cast<int>(std::min(block_rows, num_queries - first));
+      const T* qh = qp + b * qs.item + h * qs.head + first * qs.row;
+      const T* kh = kp + b * ks.item + h * ks.head;
+      const T* vh = vp + b * vs.item + h * vs.head;
+      // logits [rows, Nk] = alpha * q_rows k^T: column-major, k^T (transposed) times q^T.
+      gemm('T', 'N', static_cast<int>(num_keys), rows, static_cast<int>(head_dim), alpha, kh,
+           static_cast<int>(ks.row), qh, static_cast<int>(qs.row), logits.data(), static_cast<int>(num_keys));
+      const T* mask_rows = mp == nullptr ? nullptr : mp + b * ms.item + h * ms.head + first * ms.row;
+      softmax_rows_into(logits.data(), rows, num_keys, mask_rows, ms.row, mask_key_stride, sp + task * num_keys);
+      // out[b, first:first + rows, h] = p v, rows H * D apart.
+      gemm('N', 'N', static_cast<int>(head_dim), rows, static_cast<int>(num_keys), T(1), vh,
+           static_cast<int>(vs.row), logits.data(), static_cast<int>(num_keys),
+           op + ((b * num_queries + first) * heads + h) * head_dim, static_cast<int>(heads * head_dim));
+    }
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(saved_threads);
+  });
+}
+
+bool fits_blas(const at::Tensor& t) {
+  const int64_t limit = std::numeric_limits<int>::max();
+  return t.stride(3) == 1 && t.stride(2) >= t.size(3) && t.stride(2) <= limit && t.size(2) <= limit;
+}
+
+}  // namespace
+
+// q [B, H, Nq, D], k and v [B, H, Nk, D] (one floating type; any strides with the last
+// dimension contiguous), mask an additive [B, H, Nq, Nk] view of the same type (broadcast
+// axes may have stride 0) or None, block_rows queries per task. Returns
+// (out [B, Nq, H, D] contiguous, received [B, Nk]).
+std::tuple<at::Tensor, at::Tensor> attention_received(const at::Tensor& q, const at::Tensor& k,
+                                                      const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                                                      double scale, int64_t block_rows) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attention_received runs on the CPU");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k and v must be [B, H, N, D]");
+  const int64_t batch = q.size(0), heads = q.size(1), num_queries = q.size(2), head_dim = q.size(3);
+  const int64_t num_keys = k.size(2);
+  TORCH_CHECK(k.sizes() == at::IntArrayRef({batch, heads, num_keys, head_dim}), "k must be [B, H, Nk, D] like q");
+  TORCH_CHECK(v.sizes() == at::IntArrayRef({batch, heads, num_keys, head_dim}),
+              "v must be [B, H, Nk, D] like k (the kernel takes values of the queries' width)");
+  TORCH_CHECK(num_queries >= 1 && num_keys >= 1 && head_dim >= 1, "attention needs queries, keys and features");
+  TORCH_CHECK(block_rows >= 1, "block_rows must be >= 1");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "q, k and v must share one floating type");
+  TORCH_CHECK(fits_blas(q) && fits_blas(k) && fits_blas(v),
+              "q, k and v need contiguous rows (last stride 1) that a BLAS product can step through");
+  if (mask.has_value()) {
+    TORCH_CHECK(mask->sizes() == at::IntArrayRef({batch, heads, num_queries, num_keys}),
+                "the mask must be a [B, H, Nq, Nk] view");
+    TORCH_CHECK(mask->scalar_type() == q.scalar_type(), "the mask must have q's floating type");
+  }
+  const int64_t rows = std::min(block_rows, num_queries);
+  const int64_t blocks = (num_queries + rows - 1) / rows;
+  at::Tensor out = at::empty({batch, num_queries, heads, head_dim}, q.options());
+  at::Tensor shares = at::zeros({batch, heads * blocks, num_keys}, q.options());
+  const at::Tensor* mask_view = mask.has_value() ? &mask.value() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "attention_received", [&] {
+    run<scalar_t>(q, k, v, mask_view, scale, rows, out, shares);
+  });
+  return {out, shares.sum(1)};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The loops touch no Python object: other Python threads (data loaders) may run meanwhile.
+  m.def("attention_received", &attention_received,
+        "Attention output and the attention each key received, one (item, head, query block) per task",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}
