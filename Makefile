@@ -13,7 +13,7 @@ export MALLOC_TOP_PAD_ ?= 1073741824
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py requirements.lock $(wildcard src/leanformer/ops/*.cpp)
+$(STAMP): pyproject.toml setup.py requirements.lock $(wildcard src/leanformer/ops/*.cpp src/leanformer/ops/*.h)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -r requirements.lock
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .

@@ -26,6 +26,7 @@ else:
             [f"src/leanformer/ops/{name}.cpp"],
             extra_compile_args=flags,
             extra_link_args=["-fopenmp"],
+            depends=["src/leanformer/ops/blas.h"],
             optional=True,
         )
         for name in ("kmedoids_cpu", "attention_received_cpu")

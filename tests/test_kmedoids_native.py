@@ -9,7 +9,6 @@ import torch
 
 from leanformer.ops import kmedoids_native
 from leanformer.ops.clustering import init_centers, kmedoids_plan
-from leanformer.ops.medoid_distances import medoid_distances
 from leanformer.ops.token_distances import centred
 
 
@@ -159,32 +158,51 @@ def _inputs(b: int = 2, n: int = 10, c: int = 3, k: int = 4):
     xc = centred(x)
     sq = torch.linalg.vector_norm(xc, dim=-1).square()
     medoids = w.topk(k, dim=1).indices
-    return xc, sq, w, medoids, medoid_distances(xc, sq, medoids)
+    return xc, sq, w, medoids
 
 
 def test_the_kernel_leaves_its_inputs_alone() -> None:
-    xc, sq, w, medoids, table = _inputs()
-    copies = [t.clone() for t in (xc, sq, w, medoids, table.others, table.dists)]
-    kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, table, 5)
-    for t, copy in zip((xc, sq, w, medoids, table.others, table.dists), copies, strict=True):
+    xc, sq, w, medoids = _inputs()
+    copies = [t.clone() for t in (xc, sq, w, medoids)]
+    kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, 5)
+    for t, copy in zip((xc, sq, w, medoids), copies, strict=True):
         assert torch.equal(t, copy)
 
 
+def test_the_kernel_table_is_the_python_table() -> None:
+    """Zero iterations: the plan is the assignment to the initial medoids, from the
+    kernel's own table, which must be the one medoid_distances makes."""
+    from leanformer.ops.medoid_distances import medoid_distances, nearest_medoids
+
+    for seed in range(5):
+        x, w = _clustered(3, 150, 24, seed=seed, dtype=torch.float32)
+        xc = centred(x)
+        sq = torch.linalg.vector_norm(xc, dim=-1).square()
+        medoids = w.topk(60, dim=1).indices
+        assign, same = kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, 0)
+        assert torch.equal(same, medoids)
+        assert torch.equal(assign, nearest_medoids(medoid_distances(xc, sq, medoids), medoids, 150))
+
+
 def test_bad_kernel_inputs_raise_clear_errors(monkeypatch) -> None:
-    xc, sq, w, medoids, table = _inputs()
+    xc, sq, w, medoids = _inputs()
     with pytest.raises(RuntimeError, match="one floating type"):
-        kmedoids_native.iterate_on_cpu(xc, sq, w.double(), medoids, table, 5)
-    with pytest.raises(RuntimeError, match=r"dist must be \[B, K, N - K\]"):
-        kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, table._replace(dists=table.dists[:, :, 1:]), 5)
+        kmedoids_native.iterate_on_cpu(xc, sq, w.double(), medoids, 5)
+    with pytest.raises(RuntimeError, match=r"sq_norms must be \[B, N\]"):
+        kmedoids_native.iterate_on_cpu(xc, sq[:, 1:], w, medoids, 5)
     with pytest.raises(RuntimeError, match="int64"):
-        kmedoids_native.iterate_on_cpu(xc, sq, w, medoids.int(), table, 5)
+        kmedoids_native.iterate_on_cpu(xc, sq, w, medoids.int(), 5)
     repeated = medoids.clone()
     repeated[0, 1] = repeated[0, 0]
-    with pytest.raises(ValueError, match="the N tokens, each once"):
-        kmedoids_native.iterate_on_cpu(xc, sq, w, repeated, table, 5)
+    with pytest.raises(ValueError, match="K distinct tokens"):
+        kmedoids_native.iterate_on_cpu(xc, sq, w, repeated, 5)
+    outside = medoids.clone()
+    outside[1, 0] = xc.shape[1]
+    with pytest.raises(ValueError, match="K distinct tokens"):
+        kmedoids_native.iterate_on_cpu(xc, sq, w, outside, 5)
     monkeypatch.setattr(kmedoids_native, "_kernel", None)
     with pytest.raises(RuntimeError, match="without its C\\+\\+ K-Medoids kernel"):
-        kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, table, 5)
+        kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, 5)
 
 
 def test_flop_counters_count_the_distances_the_kernel_computes(monkeypatch) -> None:

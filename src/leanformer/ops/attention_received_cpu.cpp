@@ -25,35 +25,14 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
-// The BLAS that PyTorch links (its symbols are exported by libtorch_cpu), Fortran calling
-// convention. MKL's per-thread thread count, when it is MKL: a product inside a task must
-// not start threads of its own.
-extern "C" {
-void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
-            const float* beta, float* c, const int* ldc);
-void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
-            const double* alpha, const double* a, const int* lda, const double* b, const int* ldb,
-            const double* beta, double* c, const int* ldc);
-int MKL_Set_Num_Threads_Local(int threads) __attribute__((weak));
-}
+#include "blas.h"
 
 namespace {
 
-// Column-major BLAS on row-major matrices: a row-major [m x n] matrix with row stride ld
-// is the column-major [n x m] matrix with leading dimension ld.
-void gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
-          float* c, int ldc) {
-  const float beta = 0.f;
-  sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-}
-void gemm(char ta, char tb, int m, int n, int k, double alpha, const double* a, int lda, const double* b,
-          int ldb, double* c, int ldc) {
-  const double beta = 0.0;
-  dgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-}
+using leanformer_blas::gemm;
 
 // exp(x) for x <= 0 (a logit minus its row's maximum), vectorisable: x = k ln2 + r with
 // |r| <= ln2 / 2, exp(r) by its degree-7 Taylor-like polynomial (Cephes' expf
@@ -143,7 +122,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   T* sp = shares.data_ptr<T>();
   const T alpha = static_cast<T>(scale);
   at::parallel_for(0, batch * heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    const int saved_threads = MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0;
+    // Tasks in parallel: each one's products on its own thread. A single task runs
+    // outside any parallel region, and its products may use every thread.
+    std::optional<leanformer_blas::SingleThreadedBlas> one_blas_thread;
+    if (at::in_parallel_region()) one_blas_thread.emplace();
     std::vector<T> logits(block_rows * num_keys);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (heads * blocks), h = (task / blocks) % heads, first = (task % blocks) * block_rows;
@@ -153,15 +135,14 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
       const T* vh = vp + b * vs.item + h * vs.head;
       // logits [rows, Nk] = alpha * q_rows k^T: column-major, k^T (transposed) times q^T.
       gemm('T', 'N', static_cast<int>(num_keys), rows, static_cast<int>(head_dim), alpha, kh,
-           static_cast<int>(ks.row), qh, static_cast<int>(qs.row), logits.data(), static_cast<int>(num_keys));
+           static_cast<int>(ks.row), qh, static_cast<int>(qs.row), T(0), logits.data(), static_cast<int>(num_keys));
       const T* mask_rows = mp == nullptr ? nullptr : mp + b * ms.item + h * ms.head + first * ms.row;
       softmax_rows_into(logits.data(), rows, num_keys, mask_rows, ms.row, mask_key_stride, sp + task * num_keys);
       // out[b, first:first + rows, h] = p v, rows H * D apart.
       gemm('N', 'N', static_cast<int>(head_dim), rows, static_cast<int>(num_keys), T(1), vh,
-           static_cast<int>(vs.row), logits.data(), static_cast<int>(num_keys),
+           static_cast<int>(vs.row), logits.data(), static_cast<int>(num_keys), T(0),
            op + ((b * num_queries + first) * heads + h) * head_dim, static_cast<int>(heads * head_dim));
     }
-    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(saved_threads);
   });
 }
 

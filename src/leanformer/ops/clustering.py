@@ -390,9 +390,7 @@ def kmedoids_plan(
     if _reads_back(xc):
         if kernel_available():
             # Eager on the CPU: the iterations in C++, one example at a time.
-            sq_norms = _sq_norms(xc)
-            table = medoid_distances(xc, sq_norms, medoids)
-            assign, medoids = iterate_on_cpu(xc, sq_norms, w, medoids, table, max_iters)
+            assign, medoids = iterate_on_cpu(xc, _sq_norms(xc), w, medoids, max_iters)
             return ClusterPlan(assign=assign, medoids=medoids, centers=None)
         warn_once_without_kernel()
     every_pair = None if _update_from_means(N, C, k) else token_sq_dists(xc)

@@ -14,8 +14,8 @@
 //
 // Distances are kept as a table between the K medoids and the M = N - K other tokens,
 // dist[j][m] from medoid j to token others[m] (a medoid is in its own cluster, so the
-// assignment needs no more), given for the initial medoids (one matrix product, made by
-// the caller: leanformer/ops/medoid_distances.py) and kept current here: when medoid j
+// assignment needs no more), made for the initial medoids by one BLAS product, as
+// leanformer/ops/medoid_distances.py makes it, and kept current here: when medoid j
 // moves from token o to token t, t's column goes to o, and row j and that column are
 // recomputed.
 
@@ -28,7 +28,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
+
+#include "blas.h"
 
 namespace {
 
@@ -140,8 +143,8 @@ void medoids_from_means(const Example<T>& e, std::vector<T>& means, std::vector<
 }
 
 // A medoid at the same point as medoid j that did not move, or -1. Its row holds the
-// distances that j's must hold, computed the same way: the caller's matrix product made
-// the rows it did not recompute, whose rounding a row recomputed here would not share,
+// distances that j's must hold, computed the same way: the initial product made the rows
+// not recomputed since, whose rounding a row recomputed here would not share,
 // and the assignment's tie rule (the first medoid wins) needs identical rows for
 // identical medoids.
 template <typename T>
@@ -153,25 +156,53 @@ int64_t unmoved_twin(const Example<T>& e, int64_t j, const std::vector<char>& mo
   return -1;
 }
 
-// Whether the medoids and the other tokens are the N tokens, each once; whether the
-// norms and weights are numbers (a NaN token gives a NaN norm).
+// The tokens that are not medoids, in token order, into e.others, and column_of every
+// token (-1 for a medoid); not_a_partition unless the medoids are K distinct tokens.
+// not_finite when a norm or a weight is NaN (a NaN token gives a NaN norm).
 template <typename T>
-Fault check_example(const Example<T>& e, std::vector<int64_t>& column_of) {
+Fault find_others(const Example<T>& e, std::vector<int64_t>& column_of) {
   std::fill(column_of.begin(), column_of.end(), -2);
   for (int64_t j = 0; j < e.k; ++j) {
     const int64_t t = e.medoids[j];
     if (t < 0 || t >= e.n || column_of[t] != -2) return Fault::not_a_partition;
     column_of[t] = -1;
   }
-  for (int64_t i = 0; i < e.m; ++i) {
-    const int64_t t = e.others[i];
-    if (t < 0 || t >= e.n || column_of[t] != -2) return Fault::not_a_partition;
-    column_of[t] = i;
+  int64_t i = 0;
+  for (int64_t t = 0; t < e.n; ++t) {
+    if (column_of[t] == -1) continue;
+    e.others[i] = t;
+    column_of[t] = i++;
   }
-  for (int64_t i = 0; i < e.n; ++i) {
-    if (std::isnan(e.sq[i]) || std::isnan(e.w[i])) return Fault::not_finite;
+  for (int64_t t = 0; t < e.n; ++t) {
+    if (std::isnan(e.sq[t]) || std::isnan(e.w[t])) return Fault::not_finite;
   }
   return Fault::none;
+}
+
+// The initial table, as pairwise_sq_dists (leanformer/ops/token_distances.py) makes it:
+// the others' squared norms, minus twice the dot products in one product (beta = 1),
+// plus the medoids' squared norms, at least 0.
+template <typename T>
+void initial_table(const Example<T>& e, std::vector<T>& medoid_rows, std::vector<T>& other_rows) {
+  const int64_t c = e.c;
+  for (int64_t j = 0; j < e.k; ++j) std::copy(e.x + e.medoids[j] * c, e.x + (e.medoids[j] + 1) * c, medoid_rows.data() + j * c);
+  for (int64_t i = 0; i < e.m; ++i) std::copy(e.x + e.others[i] * c, e.x + (e.others[i] + 1) * c, other_rows.data() + i * c);
+  for (int64_t j = 0; j < e.k; ++j) {
+    for (int64_t i = 0; i < e.m; ++i) e.dist[j * e.m + i] = e.sq[e.others[i]];
+  }
+  // Row-major dist [K x M] += -2 medoid_rows other_rows^T, as column-major dist^T.
+  leanformer_blas::gemm('T', 'N', static_cast<int>(e.m), static_cast<int>(e.k), static_cast<int>(c), T(-2),
+                        other_rows.data(), static_cast<int>(c), medoid_rows.data(), static_cast<int>(c), T(1),
+                        e.dist, static_cast<int>(e.m));
+  for (int64_t j = 0; j < e.k; ++j) {
+    const T norm = e.sq[e.medoids[j]];
+    T* row = e.dist + j * e.m;
+    for (int64_t i = 0; i < e.m; ++i) {
+      const T d = row[i] + norm;
+      row[i] = d > T(0) ? d : T(0);
+    }
+  }
+  *e.work += e.k * e.m;
 }
 
 template <typename T>
@@ -179,8 +210,12 @@ Fault run_example(const Example<T>& e, int64_t max_iters) {
   std::vector<T> best(e.m), means(e.k * e.c), total(e.k), best_score(e.k);
   std::vector<int64_t> nearest(e.m), members(e.k), new_medoids(e.k), column_of(e.n), moved, columns;
   std::vector<char> is_moved(e.k);
-  const Fault fault = check_example(e, column_of);
+  const Fault fault = find_others(e, column_of);
   if (fault != Fault::none) return fault;
+  {
+    std::vector<T> medoid_rows(e.k * e.c), other_rows(e.m * e.c);
+    initial_table(e, medoid_rows, other_rows);
+  }
   assign_nearest(e, best, nearest);
   for (int64_t it = 0; it < max_iters; ++it) {
     medoids_from_means(e, means, total, members, best_score, new_medoids);
@@ -232,6 +267,10 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& sq, const at::Tensor& w, 
   int64_t* wk = work.data_ptr<int64_t>();
   std::atomic<int> fault{static_cast<int>(Fault::none)};
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    // Examples in parallel: each task's table product on its own thread. A single task
+    // (batch 1) runs outside any parallel region, and its product may use every thread.
+    std::optional<leanformer_blas::SingleThreadedBlas> one_blas_thread;
+    if (at::in_parallel_region()) one_blas_thread.emplace();
     for (int64_t b = begin; b < end; ++b) {
       const Example<T> e{xp + b * n * c, sqp + b * n, wp + b * n, dp + b * k * m, mp + b * k,
                          op + b * m,     ap + b * n,  wk + b,     n,              k,          m, c};
@@ -245,13 +284,11 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& sq, const at::Tensor& w, 
 }  // namespace
 
 // xc [B, N, C] centred tokens, sq_norms [B, N], weights [B, N] (all one floating type),
-// medoids [B, K] int64 distinct initial medoids (K < N), others [B, N - K] int64 the
-// other tokens, dist [B, K, N - K] the distances between them. Returns (assign [B, N],
-// medoids [B, K], work [B]: how many distances each example recomputed); the inputs are
+// medoids [B, K] int64 distinct initial medoids (K < N). Returns (assign [B, N],
+// medoids [B, K], work [B]: how many distances each example computed); the inputs are
 // not modified.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor& xc, const at::Tensor& sq_norms,
                                                     const at::Tensor& weights, const at::Tensor& medoids,
-                                                    const at::Tensor& others, const at::Tensor& dist,
                                                     int64_t max_iters) {
   TORCH_CHECK(xc.device().is_cpu(), "kmedoids_iterate runs on the CPU");
   TORCH_CHECK(xc.dim() == 3, "tokens must be [B, N, C]");
@@ -259,25 +296,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor
   TORCH_CHECK(sq_norms.sizes() == at::IntArrayRef({batch, n}), "sq_norms must be [B, N]");
   TORCH_CHECK(weights.sizes() == at::IntArrayRef({batch, n}), "weights must be [B, N]");
   TORCH_CHECK(medoids.dim() == 2 && medoids.size(0) == batch && k >= 1 && k < n, "medoids must be [B, K], K < N");
-  TORCH_CHECK(others.sizes() == at::IntArrayRef({batch, n - k}), "others must be [B, N - K]");
-  TORCH_CHECK(dist.sizes() == at::IntArrayRef({batch, k, n - k}), "dist must be [B, K, N - K]");
-  TORCH_CHECK(medoids.scalar_type() == at::kLong && others.scalar_type() == at::kLong,
-              "medoids and others must be int64");
-  TORCH_CHECK(sq_norms.scalar_type() == xc.scalar_type() && weights.scalar_type() == xc.scalar_type() &&
-                  dist.scalar_type() == xc.scalar_type(),
-              "tokens, norms, weights and distances must share one floating type");
+  TORCH_CHECK(medoids.scalar_type() == at::kLong, "medoids must be int64");
+  TORCH_CHECK(sq_norms.scalar_type() == xc.scalar_type() && weights.scalar_type() == xc.scalar_type(),
+              "tokens, norms and weights must share one floating type");
+  TORCH_CHECK(xc.size(2) <= std::numeric_limits<int>::max() && n <= std::numeric_limits<int>::max(),
+              "too many tokens or features for a BLAS product");
   const at::Tensor x = xc.contiguous(), sq = sq_norms.contiguous(), w = weights.contiguous();
-  at::Tensor table = dist.clone(at::MemoryFormat::Contiguous);
+  at::Tensor table = at::empty({batch, k, n - k}, xc.options());
   at::Tensor new_medoids = medoids.clone(at::MemoryFormat::Contiguous);
-  at::Tensor new_others = others.clone(at::MemoryFormat::Contiguous);
+  at::Tensor others = at::empty({batch, n - k}, medoids.options());
   at::Tensor assign = at::empty({batch, n}, medoids.options());
   at::Tensor work = at::zeros({batch}, medoids.options());
   Fault fault = Fault::none;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "kmedoids_iterate", [&] {
-    fault = run_batch<scalar_t>(x, sq, w, table, new_medoids, new_others, assign, work, max_iters);
+    fault = run_batch<scalar_t>(x, sq, w, table, new_medoids, others, assign, work, max_iters);
   });
-  TORCH_CHECK_VALUE(fault != Fault::not_a_partition,
-                    "K-Medoids: the medoids and the other tokens must be the N tokens, each once");
+  TORCH_CHECK_VALUE(fault != Fault::not_a_partition, "K-Medoids: the initial medoids must be K distinct tokens");
   TORCH_CHECK_VALUE(fault != Fault::not_finite, "K-Medoids needs finite tokens and weights (got NaN)");
   return {assign, new_medoids, work};
 }

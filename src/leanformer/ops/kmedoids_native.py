@@ -5,8 +5,9 @@ operations per iteration. At token pooling's sizes (tens to hundreds of tokens p
 example) their fixed cost outweighs the arithmetic: a plan for 64 x 64 tokens of width
 96 took 3.3 ms that way and 1.0 ms here. The kernel runs the same algorithm (assign to
 the nearest medoid, move every medoid to the member nearest its cluster's weighted mean,
-stop at the fixed point) one example at a time, examples in parallel, and keeps the
-medoid table (:mod:`leanformer.ops.medoid_distances`) current where medoids move.
+stop at the fixed point) one example at a time, examples in parallel: it makes the
+medoid table (:mod:`leanformer.ops.medoid_distances`) with one BLAS product and keeps
+it current where medoids move.
 Plans equal the batched code's up to the float rounding of the distances.
 
 The kernel is built when the package is installed (``setup.py``); without a C++
@@ -18,7 +19,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from leanformer.ops.medoid_distances import MedoidDistances
 from leanformer.ops.native import MissingKernelWarning, counting, load, warn_missing
 
 __all__ = ["MissingKernelWarning", "iterate_on_cpu", "kernel_available", "warn_once_without_kernel"]
@@ -55,21 +55,20 @@ def warn_once_without_kernel() -> None:
 
 
 def iterate_on_cpu(
-    xc: Tensor, sq_norms: Tensor, weights: Tensor, medoids: Tensor, table: MedoidDistances, max_iters: int
+    xc: Tensor, sq_norms: Tensor, weights: Tensor, medoids: Tensor, max_iters: int
 ) -> tuple[Tensor, Tensor]:
     """Up to ``max_iters`` medoid updates from ``medoids [B, K]`` -> ``(assign [B, N], medoids [B, K])``.
 
     ``xc [B, N, C]`` centred CPU tokens, ``sq_norms [B, N]`` their squared norms,
-    ``weights [B, N]`` (one floating type), ``table`` the initial medoids' distances to
-    the other tokens. Needs :func:`kernel_available`.
+    ``weights [B, N]`` (one floating type). The kernel makes the initial medoids' table
+    (:mod:`leanformer.ops.medoid_distances` says what it holds) with one BLAS product
+    per example. Needs :func:`kernel_available`.
     """
     if _kernel is None:
         raise RuntimeError("leanformer was installed without its C++ K-Medoids kernel")
-    assign, medoids, work = _kernel.kmedoids_iterate(
-        xc, sq_norms, weights, medoids, table.others, table.dists, max_iters
-    )
+    assign, medoids, work = _kernel.kmedoids_iterate(xc, sq_norms, weights, medoids, max_iters)
     if counting():
-        # The distances recomputed for moved medoids, which the batched plan computes
-        # with matrix products that a FLOP counter sees.
+        # The distances computed (the initial table, then those of moved medoids), which
+        # the batched plan computes with matrix products that a FLOP counter sees.
         distance_work(xc, int(work.sum()))
     return assign, medoids

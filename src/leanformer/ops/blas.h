@@ -1,0 +1,49 @@
+// The BLAS matrix product that PyTorch links, for the package's C++ kernels.
+//
+// libtorch_cpu exports the Fortran BLAS symbols (sgemm_, dgemm_) of the library it was
+// built with (MKL on x86 wheels). Column-major, as BLAS is: a row-major [rows x cols]
+// matrix with row stride ld is the column-major [cols x rows] matrix with leading
+// dimension ld, so a row-major product C = A B is called as C^T = B^T A^T.
+
+#pragma once
+
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+            const float* beta, float* c, const int* ldc);
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+            const double* alpha, const double* a, const int* lda, const double* b, const int* ldb,
+            const double* beta, double* c, const int* ldc);
+// MKL's thread count for the calling thread, when the BLAS is MKL (else null): a product
+// inside a parallel task must not start threads of its own.
+int MKL_Set_Num_Threads_Local(int threads) __attribute__((weak));
+}
+
+namespace leanformer_blas {
+
+// Column-major C [m x n] = alpha op(A) op(B) + beta C.
+inline void gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b,
+                 int ldb, float beta, float* c, int ldc) {
+  sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+inline void gemm(char ta, char tb, int m, int n, int k, double alpha, const double* a, int lda, const double* b,
+                 int ldb, double beta, double* c, int ldc) {
+  dgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+// One BLAS thread for the calling thread while in scope (no-op without MKL).
+class SingleThreadedBlas {
+ public:
+  SingleThreadedBlas() : saved_(MKL_Set_Num_Threads_Local ? MKL_Set_Num_Threads_Local(1) : 0) {}
+  ~SingleThreadedBlas() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(saved_);
+  }
+  SingleThreadedBlas(const SingleThreadedBlas&) = delete;
+  SingleThreadedBlas& operator=(const SingleThreadedBlas&) = delete;
+
+ private:
+  int saved_;
+};
+
+}  // namespace leanformer_blas
