@@ -26,7 +26,7 @@ else:
             [f"src/leanformer/ops/{name}.cpp"],
             extra_compile_args=flags,
             extra_link_args=["-fopenmp"],
-            depends=["src/leanformer/ops/blas.h"],
+            depends=["src/leanformer/ops/cpu_kernel.h"],
             optional=True,
         )
         for name in ("kmedoids_cpu", "attention_received_cpu")

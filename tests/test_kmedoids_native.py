@@ -98,19 +98,21 @@ def test_identical_medoids_keep_identical_distance_rows(monkeypatch) -> None:
 def test_duplicates_and_weightless_tokens_give_the_plans_of_the_batched_update_from_means(
     dtype: torch.dtype, seed: int, monkeypatch
 ) -> None:
-    """Four tokens twice, a third of the weights 0: identical members tie exactly, and so
-    do the members of weightless clusters. The kernel updates from the cluster means; so
+    """One token five times, a third of the weights 0: identical members tie exactly, and
+    so do the members of weightless clusters. The kernel updates from the cluster means; so
     does the batched code forced to that form (its update from all pair distances rounds
     the distance between identical tokens above 0, and breaks such ties by weight).
     Ties of exact arithmetic between different tokens are broken by rounding, differently
-    by the two, and are left out: small integers, or a cluster of two tokens twice each,
-    whose mean lies half-way between them."""
+    by the two (the kernel centres the tokens and sums their norms itself), and are left
+    out: small integers, or a cluster of two tokens twice each, whose mean lies half-way
+    between them (which is why only one token is repeated)."""
     from leanformer.ops import clustering
 
     g = torch.Generator().manual_seed(seed)
     b, n, c = 8, 24, 3
     x = torch.randn(b, n - 4, c, generator=g, dtype=dtype)
-    x = torch.cat([x, x[:, torch.randperm(n - 4, generator=g)[:4]]], dim=1)
+    repeated = int(torch.randint(n - 4, (1,), generator=g))
+    x = torch.cat([x, x[:, [repeated] * 4]], dim=1)
     w = torch.rand(b, n, generator=g, dtype=dtype) * (torch.rand(b, n, generator=g) > 0.33)
     monkeypatch.setattr(clustering, "_update_from_means", lambda n, c, k: True)
     for k in (1, 5, 12, 23):
@@ -155,54 +157,53 @@ def test_plans_do_not_depend_on_the_thread_count() -> None:
 
 def _inputs(b: int = 2, n: int = 10, c: int = 3, k: int = 4):
     x, w = _clustered(b, n, c, seed=0, dtype=torch.float32)
-    xc = centred(x)
-    sq = torch.linalg.vector_norm(xc, dim=-1).square()
-    medoids = w.topk(k, dim=1).indices
-    return xc, sq, w, medoids
+    return x, x.mean(dim=1), w, w.topk(k, dim=1).indices
 
 
 def test_the_kernel_leaves_its_inputs_alone() -> None:
-    xc, sq, w, medoids = _inputs()
-    copies = [t.clone() for t in (xc, sq, w, medoids)]
-    kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, 5)
-    for t, copy in zip((xc, sq, w, medoids), copies, strict=True):
+    x, mean, w, medoids = _inputs()
+    copies = [t.clone() for t in (x, mean, w, medoids)]
+    kmedoids_native.iterate_on_cpu(x, mean, w, medoids, 5)
+    for t, copy in zip((x, mean, w, medoids), copies, strict=True):
         assert torch.equal(t, copy)
 
 
 def test_the_kernel_table_is_the_python_table() -> None:
-    """Zero iterations: the plan is the assignment to the initial medoids, from the
-    kernel's own table, which must be the one medoid_distances makes."""
+    """Zero iterations: the plan is the assignment to the initial medoids, from the tokens
+    the kernel centres and the table it makes, which must be the ones centred() and
+    medoid_distances make. Far from the origin, so uncentred distances would round apart."""
     from leanformer.ops.medoid_distances import medoid_distances, nearest_medoids
 
     for seed in range(5):
         x, w = _clustered(3, 150, 24, seed=seed, dtype=torch.float32)
+        x = x + 1e3
         xc = centred(x)
         sq = torch.linalg.vector_norm(xc, dim=-1).square()
         medoids = w.topk(60, dim=1).indices
-        assign, same = kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, 0)
+        assign, same = kmedoids_native.iterate_on_cpu(x, x.mean(dim=1), w, medoids, 0)
         assert torch.equal(same, medoids)
         assert torch.equal(assign, nearest_medoids(medoid_distances(xc, sq, medoids), medoids, 150))
 
 
 def test_bad_kernel_inputs_raise_clear_errors(monkeypatch) -> None:
-    xc, sq, w, medoids = _inputs()
+    x, mean, w, medoids = _inputs()
     with pytest.raises(RuntimeError, match="one floating type"):
-        kmedoids_native.iterate_on_cpu(xc, sq, w.double(), medoids, 5)
-    with pytest.raises(RuntimeError, match=r"sq_norms must be \[B, N\]"):
-        kmedoids_native.iterate_on_cpu(xc, sq[:, 1:], w, medoids, 5)
+        kmedoids_native.iterate_on_cpu(x, mean, w.double(), medoids, 5)
+    with pytest.raises(RuntimeError, match=r"mean must be \[B, C\]"):
+        kmedoids_native.iterate_on_cpu(x, mean[:, 1:], w, medoids, 5)
     with pytest.raises(RuntimeError, match="int64"):
-        kmedoids_native.iterate_on_cpu(xc, sq, w, medoids.int(), 5)
+        kmedoids_native.iterate_on_cpu(x, mean, w, medoids.int(), 5)
     repeated = medoids.clone()
     repeated[0, 1] = repeated[0, 0]
     with pytest.raises(ValueError, match="K distinct tokens"):
-        kmedoids_native.iterate_on_cpu(xc, sq, w, repeated, 5)
+        kmedoids_native.iterate_on_cpu(x, mean, w, repeated, 5)
     outside = medoids.clone()
-    outside[1, 0] = xc.shape[1]
+    outside[1, 0] = x.shape[1]
     with pytest.raises(ValueError, match="K distinct tokens"):
-        kmedoids_native.iterate_on_cpu(xc, sq, w, outside, 5)
+        kmedoids_native.iterate_on_cpu(x, mean, w, outside, 5)
     monkeypatch.setattr(kmedoids_native, "_kernel", None)
     with pytest.raises(RuntimeError, match="without its C\\+\\+ K-Medoids kernel"):
-        kmedoids_native.iterate_on_cpu(xc, sq, w, medoids, 5)
+        kmedoids_native.iterate_on_cpu(x, mean, w, medoids, 5)
 
 
 def test_flop_counters_count_the_distances_the_kernel_computes(monkeypatch) -> None:

@@ -28,7 +28,7 @@
 #include <optional>
 #include <vector>
 
-#include "blas.h"
+#include "cpu_kernel.h"
 
 namespace {
 
@@ -59,10 +59,9 @@ inline float exp_nonpositive(float x) {
 inline double exp_nonpositive(double x) { return std::exp(x); }
 
 // Softmax over each of `rows` rows of s [rows, n] (+ the mask's rows) in place, adding the
-// probabilities into received [n]. target_clones: the loops are compiled for AVX-512,
-// AVX2 and plain x86-64, and the CPU picks one at load time.
+// probabilities into received [n].
 template <typename T>
-__attribute__((target_clones("avx512f", "avx2", "default"))) void softmax_rows_into(
+LEANFORMER_CPU_VARIANTS void softmax_rows_into(
     T* s, int64_t rows, int64_t n, const T* mask, int64_t mask_row_stride, int64_t mask_key_stride,
     T* received) {
   for (int64_t i = 0; i < rows; ++i) {

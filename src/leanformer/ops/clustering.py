@@ -385,14 +385,17 @@ def kmedoids_plan(
         )
         return ClusterPlan(assign=assign, medoids=medoids, centers=None)
     medoids = _default_init(init, weights, k, N, B, x.device)
-    xc = centred(x.detach())
-    w = _weights(x, weights, xc.dtype)
-    if _reads_back(xc):
+    if _reads_back(x):
         if kernel_available():
-            # Eager on the CPU: the iterations in C++, one example at a time.
-            assign, medoids = iterate_on_cpu(xc, _sq_norms(xc), w, medoids, max_iters)
+            # Eager on the CPU: the iterations in C++, one example at a time, which
+            # centres the tokens itself (the mean is the one centred() subtracts).
+            tokens = x.detach().to(torch.promote_types(x.dtype, torch.float32))
+            w = _weights(x, weights, tokens.dtype)
+            assign, medoids = iterate_on_cpu(tokens, tokens.mean(dim=1), w, medoids, max_iters)
             return ClusterPlan(assign=assign, medoids=medoids, centers=None)
         warn_once_without_kernel()
+    xc = centred(x.detach())
+    w = _weights(x, weights, xc.dtype)
     every_pair = None if _update_from_means(N, C, k) else token_sq_dists(xc)
     sq_norms = xc.new_empty(0)  # |x|^2, needed by the update from means and its table
     if every_pair is None:

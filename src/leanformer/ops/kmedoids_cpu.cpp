@@ -31,7 +31,7 @@
 #include <optional>
 #include <vector>
 
-#include "blas.h"
+#include "cpu_kernel.h"
 
 namespace {
 
@@ -69,7 +69,7 @@ struct Example {
 enum class Fault : int { none = 0, not_a_partition, not_finite };
 
 template <typename T>
-void assign_nearest(const Example<T>& e, std::vector<T>& best, std::vector<int64_t>& nearest) {
+LEANFORMER_CPU_VARIANTS void assign_nearest(const Example<T>& e, std::vector<T>& best, std::vector<int64_t>& nearest) {
   std::fill(nearest.begin(), nearest.end(), 0);
   std::copy(e.dist, e.dist + e.m, best.begin());
   for (int64_t j = 1; j < e.k; ++j) {
@@ -87,7 +87,7 @@ void assign_nearest(const Example<T>& e, std::vector<T>& best, std::vector<int64
 
 // Medoid j moved: recompute its row.
 template <typename T>
-void recompute_row(const Example<T>& e, int64_t j) {
+LEANFORMER_CPU_VARIANTS void recompute_row(const Example<T>& e, int64_t j) {
   T* row = e.dist + j * e.m;
   for (int64_t i = 0; i < e.m; ++i) row[i] = sq_dist(e.x, e.sq, e.medoids[j], e.others[i], e.c);
   *e.work += e.m;
@@ -95,7 +95,7 @@ void recompute_row(const Example<T>& e, int64_t j) {
 
 // Column i now holds another token: recompute it.
 template <typename T>
-void recompute_column(const Example<T>& e, int64_t i) {
+LEANFORMER_CPU_VARIANTS void recompute_column(const Example<T>& e, int64_t i) {
   for (int64_t j = 0; j < e.k; ++j) e.dist[j * e.m + i] = sq_dist(e.x, e.sq, e.medoids[j], e.others[i], e.c);
   *e.work += e.k;
 }
@@ -103,7 +103,7 @@ void recompute_column(const Example<T>& e, int64_t i) {
 // The member of every cluster nearest its weighted mean -> new_medoids [K]. Members are
 // ranked by |x_i|^2 - 2 x_i.mean (the distance to the mean less a constant of the cluster).
 template <typename T>
-void medoids_from_means(const Example<T>& e, std::vector<T>& means, std::vector<T>& total,
+LEANFORMER_CPU_VARIANTS void medoids_from_means(const Example<T>& e, std::vector<T>& means, std::vector<T>& total,
                         std::vector<int64_t>& members, std::vector<T>& best_score,
                         std::vector<int64_t>& new_medoids) {
   const int64_t n = e.n, k = e.k, c = e.c;
@@ -154,6 +154,26 @@ int64_t unmoved_twin(const Example<T>& e, int64_t j, const std::vector<char>& mo
     if (t != j && !moved[t] && std::equal(xj, xj + e.c, e.x + e.medoids[t] * e.c)) return t;
   }
   return -1;
+}
+
+// Tokens minus their mean (as leanformer.ops.token_distances.centred), and their squared
+// norms, in one pass over the example's tokens. Distances do not change; their float
+// rounding does: the expansion |x|^2 + |y|^2 - 2 x.y loses the digits of |x - y|^2 below
+// the rounding of |x|^2, which centring keeps small.
+template <typename T>
+LEANFORMER_CPU_VARIANTS void centre(const T* x, const T* mean, int64_t n, int64_t c, T* out, T* sq) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* xi = x + i * c;
+    T* oi = out + i * c;
+    T sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t d = 0; d < c; ++d) {
+      const T v = xi[d] - mean[d];
+      oi[d] = v;
+      sum += v * v;
+    }
+    sq[i] = sum;
+  }
 }
 
 // The tokens that are not medoids, in token order, into e.others, and column_of every
@@ -253,12 +273,12 @@ Fault run_example(const Example<T>& e, int64_t max_iters) {
 }
 
 template <typename T>
-Fault run_batch(const at::Tensor& x, const at::Tensor& sq, const at::Tensor& w, at::Tensor& dist,
+Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w, at::Tensor& dist,
                at::Tensor& medoids, at::Tensor& others, at::Tensor& assign, at::Tensor& work,
                int64_t max_iters) {
   const int64_t batch = x.size(0), n = x.size(1), c = x.size(2), k = medoids.size(1), m = n - k;
   const T* xp = x.data_ptr<T>();
-  const T* sqp = sq.data_ptr<T>();
+  const T* mean_p = mean.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* dp = dist.data_ptr<T>();
   int64_t* mp = medoids.data_ptr<int64_t>();
@@ -271,9 +291,13 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& sq, const at::Tensor& w, 
     // (batch 1) runs outside any parallel region, and its product may use every thread.
     std::optional<leanformer_blas::SingleThreadedBlas> one_blas_thread;
     if (at::in_parallel_region()) one_blas_thread.emplace();
+    // One example's centred tokens and their squared norms, reused by the task's examples:
+    // they stay in the core's cache through the table and the iterations.
+    std::vector<T> centred(n * c), sq(n);
     for (int64_t b = begin; b < end; ++b) {
-      const Example<T> e{xp + b * n * c, sqp + b * n, wp + b * n, dp + b * k * m, mp + b * k,
-                         op + b * m,     ap + b * n,  wk + b,     n,              k,          m, c};
+      centre(xp + b * n * c, mean_p + b * c, n, c, centred.data(), sq.data());
+      const Example<T> e{centred.data(), sq.data(), wp + b * n, dp + b * k * m, mp + b * k,
+                         op + b * m,     ap + b * n, wk + b,     n,              k,          m, c};
       const Fault found = run_example(e, max_iters);
       if (found != Fault::none) fault.store(static_cast<int>(found));
     }
@@ -283,33 +307,33 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& sq, const at::Tensor& w, 
 
 }  // namespace
 
-// xc [B, N, C] centred tokens, sq_norms [B, N], weights [B, N] (all one floating type),
-// medoids [B, K] int64 distinct initial medoids (K < N). Returns (assign [B, N],
+// x [B, N, C] tokens, mean [B, C] their mean per example, weights [B, N] (one floating
+// type), medoids [B, K] int64 distinct initial medoids (K < N). Returns (assign [B, N],
 // medoids [B, K], work [B]: how many distances each example computed); the inputs are
 // not modified.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor& xc, const at::Tensor& sq_norms,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor& x_in, const at::Tensor& mean_in,
                                                     const at::Tensor& weights, const at::Tensor& medoids,
                                                     int64_t max_iters) {
-  TORCH_CHECK(xc.device().is_cpu(), "kmedoids_iterate runs on the CPU");
-  TORCH_CHECK(xc.dim() == 3, "tokens must be [B, N, C]");
-  const int64_t batch = xc.size(0), n = xc.size(1), k = medoids.size(1);
-  TORCH_CHECK(sq_norms.sizes() == at::IntArrayRef({batch, n}), "sq_norms must be [B, N]");
+  TORCH_CHECK(x_in.device().is_cpu(), "kmedoids_iterate runs on the CPU");
+  TORCH_CHECK(x_in.dim() == 3, "tokens must be [B, N, C]");
+  const int64_t batch = x_in.size(0), n = x_in.size(1), c = x_in.size(2), k = medoids.size(1);
+  TORCH_CHECK(mean_in.sizes() == at::IntArrayRef({batch, c}), "mean must be [B, C]");
   TORCH_CHECK(weights.sizes() == at::IntArrayRef({batch, n}), "weights must be [B, N]");
   TORCH_CHECK(medoids.dim() == 2 && medoids.size(0) == batch && k >= 1 && k < n, "medoids must be [B, K], K < N");
   TORCH_CHECK(medoids.scalar_type() == at::kLong, "medoids must be int64");
-  TORCH_CHECK(sq_norms.scalar_type() == xc.scalar_type() && weights.scalar_type() == xc.scalar_type(),
-              "tokens, norms and weights must share one floating type");
-  TORCH_CHECK(xc.size(2) <= std::numeric_limits<int>::max() && n <= std::numeric_limits<int>::max(),
+  TORCH_CHECK(mean_in.scalar_type() == x_in.scalar_type() && weights.scalar_type() == x_in.scalar_type(),
+              "tokens, mean and weights must share one floating type");
+  TORCH_CHECK(c <= std::numeric_limits<int>::max() && n <= std::numeric_limits<int>::max(),
               "too many tokens or features for a BLAS product");
-  const at::Tensor x = xc.contiguous(), sq = sq_norms.contiguous(), w = weights.contiguous();
-  at::Tensor table = at::empty({batch, k, n - k}, xc.options());
+  const at::Tensor x = x_in.contiguous(), mean = mean_in.contiguous(), w = weights.contiguous();
+  at::Tensor table = at::empty({batch, k, n - k}, x.options());
   at::Tensor new_medoids = medoids.clone(at::MemoryFormat::Contiguous);
   at::Tensor others = at::empty({batch, n - k}, medoids.options());
   at::Tensor assign = at::empty({batch, n}, medoids.options());
   at::Tensor work = at::zeros({batch}, medoids.options());
   Fault fault = Fault::none;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "kmedoids_iterate", [&] {
-    fault = run_batch<scalar_t>(x, sq, w, table, new_medoids, others, assign, work, max_iters);
+    fault = run_batch<scalar_t>(x, mean, w, table, new_medoids, others, assign, work, max_iters);
   });
   TORCH_CHECK_VALUE(fault != Fault::not_a_partition, "K-Medoids: the initial medoids must be K distinct tokens");
   TORCH_CHECK_VALUE(fault != Fault::not_finite, "K-Medoids needs finite tokens and weights (got NaN)");

@@ -1,4 +1,5 @@
-// The BLAS matrix product that PyTorch links, for the package's C++ kernels.
+// What the package's C++ kernels share: the BLAS matrix product that PyTorch links, and
+// the CPU variants their loops are compiled for.
 //
 // libtorch_cpu exports the Fortran BLAS symbols (sgemm_, dgemm_) of the library it was
 // built with (MKL on x86 wheels). Column-major, as BLAS is: a row-major [rows x cols]
@@ -6,6 +7,15 @@
 // dimension ld, so a row-major product C = A B is called as C^T = B^T A^T.
 
 #pragma once
+
+// Loops that vectorise are compiled three times, for CPUs with AVX-512 (and FMA), with
+// AVX2, and for plain x86-64; the CPU picks one when the library loads, by its features
+// (clones named by "arch=" match one CPU model only), so the build flags stay portable.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define LEANFORMER_CPU_VARIANTS __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define LEANFORMER_CPU_VARIANTS
+#endif
 
 extern "C" {
 void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
