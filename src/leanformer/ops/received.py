@@ -7,7 +7,10 @@ keys: each block's probabilities give its rows of the output (``p @ v``) and its
 of the column sums, then are freed. The result is exactly the full computation's (the
 same products and sums, grouped by blocks), while the live logits shrink to one block.
 
-Two block layouts (:func:`default_block`):
+For inference on the CPU (no autograd, no dropout, no FLOP counter watching) a C++ kernel
+computes these blocks (:mod:`leanformer.ops.attention_native`): one item, one head and a
+block of queries per task, about as fast as the fused kernel. Otherwise tensor operations
+compute them, in one of two block layouts (:func:`default_block`):
 
 - **Eager on the CPU: one batch item and a few heads.** Each intra-op thread gets the
   heads whose logits hold at most ``2**18`` numbers, or one head of up to ``2**20`` (at
@@ -15,8 +18,8 @@ Two block layouts (:func:`default_block`):
   product, the softmax, the column sums and the second product. A matrix of at most
   ``2**21`` numbers (batch 8 at 197 tokens) is one block: cut finer, the per-block
   overhead showed. Compiled for the CPU without autograd or dropout, with at least
-  ``2**20`` logits, the graph calls this eager code as one opaque op
-  (``torch.ops.leanformer.attention_received``), so it keeps these blocks.
+  ``2**20`` logits, the graph calls the eager code as one opaque op
+  (``torch.ops.leanformer.attention_received``), so the C++ kernel where it applies.
 - **On an accelerator, or traced (compiled with autograd or fewer logits): every item
   and head, a block of queries.** The loop over blocks is unrolled into the graph or
   launched as kernels, so blocks are few: at most ``4 * head_dim`` queries, about
