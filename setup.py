@@ -1,8 +1,8 @@
-"""Builds the optional C++ kernel; everything else is in pyproject.toml.
+"""Builds the optional C++ kernels; everything else is in pyproject.toml.
 
-Two kernels for eager CPU runs: ``leanformer.ops._kmedoids_cpu`` runs K-Medoids
-iterations (``src/leanformer/ops/kmedoids_cpu.cpp``), ``leanformer.ops._attention_received_cpu``
-attention with received scores (``src/leanformer/ops/attention_received_cpu.cpp``). They
+Three kernels for eager CPU runs, each from ``src/leanformer/ops/<name>.cpp``:
+``leanformer.ops._kmedoids_cpu`` and ``_kmeans_cpu`` run K-Medoids and K-Means iterations,
+``_attention_received_cpu`` attention with received scores. They
 need torch at build time, so they are built without build isolation (``pip install
 --no-build-isolation -e .``, as the Makefile does). Where they cannot be built (no torch,
 no C++ compiler), the package installs without them and runs its PyTorch code instead.
@@ -29,7 +29,7 @@ else:
             depends=["src/leanformer/ops/cpu_kernel.h"],
             optional=True,
         )
-        for name in ("kmedoids_cpu", "attention_received_cpu")
+        for name in ("kmedoids_cpu", "kmeans_cpu", "attention_received_cpu")
     ]
     cmdclass = {"build_ext": BuildExtension.with_options(no_python_abi_suffix=False)}
 

@@ -83,16 +83,17 @@ def ref_weighted_means(x: torch.Tensor, a: list[int], w: list[float], k: int) ->
 
 
 @pytest.fixture(autouse=True, params=["kernel", "batched"])
-def eager_kmedoids(request, monkeypatch) -> str:
-    """Every test runs twice: eager CPU K-Medoids with its C++ iterations, and without
-    them (the batched PyTorch code, as in a package built without a compiler)."""
-    from leanformer.ops import kmedoids_native
+def eager_clustering(request, monkeypatch) -> str:
+    """Every test runs twice: eager CPU K-Medoids and K-Means with their C++ iterations,
+    and without them (the batched PyTorch code, as in a package built without a compiler)."""
+    from leanformer.ops import kmeans_native, kmedoids_native
 
-    if request.param == "batched":
-        monkeypatch.setattr(kmedoids_native, "_kernel", None)
-        monkeypatch.setattr(kmedoids_native, "_warned", True)
-    else:
-        assert kmedoids_native.kernel_available(), "the package was built without its C++ kernel"
+    for native in (kmedoids_native, kmeans_native):
+        if request.param == "batched":
+            monkeypatch.setattr(native, "_kernel", None)
+            monkeypatch.setattr(native, "_warned", True)
+        else:
+            assert native.kernel_available(), "the package was built without its C++ kernels"
     return request.param
 
 
@@ -437,9 +438,10 @@ def test_weighted_mean_and_sizes() -> None:
 
 
 def test_kmeans_cluster_emptied_mid_run_keeps_its_centre_on_every_path(monkeypatch) -> None:
-    """A cluster that loses every member keeps its previous centre; eager CPU, which skips
-    that guard when no cluster is empty, gives the plan of the path that always applies it."""
-    from leanformer.ops import clustering
+    """A cluster that loses every member keeps its previous centre; eager CPU (the C++
+    iterations, or the batched code, which skips that guard when no cluster is empty)
+    gives the plan of the path that always applies it."""
+    from leanformer.ops import clustering, kmeans_native
 
     emptied = []
     segment_mean = clustering.weighted_segment_mean
@@ -453,7 +455,10 @@ def test_kmeans_cluster_emptied_mid_run_keeps_its_centre_on_every_path(monkeypat
     g = torch.Generator().manual_seed(1379)  # found by search: a cluster empties on the way
     x = torch.randn(1, 10, 2, generator=g, dtype=torch.float64)
     init = torch.tensor([[0, 5, 2, 6]])
-    kmeans_plan(x, 4, init=init, max_iters=10)
+    with monkeypatch.context() as m:  # the batched code, whose steps can be watched
+        m.setattr(kmeans_native, "_kernel", None)
+        m.setattr(kmeans_native, "_warned", True)
+        kmeans_plan(x, 4, init=init, max_iters=10)
     assert any(emptied) and not all(emptied)
     for iters in range(1, 11):  # stopped at every iteration, the emptied one included
         plan = kmeans_plan(x, 4, init=init, max_iters=iters)

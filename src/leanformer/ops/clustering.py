@@ -43,6 +43,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from leanformer.ops import kmeans_native
 from leanformer.ops.hashed_noise import uniform_noise
 from leanformer.ops.kmedoids_native import iterate_on_cpu, kernel_available, warn_once_without_kernel
 from leanformer.ops.medoid_distances import MedoidDistances, medoid_distances, nearest_medoids
@@ -460,6 +461,13 @@ def kmeans_plan(
         assign, centers = torch.ops.leanformer.kmeans_plan(x.detach(), k, _detached(weights), init, max_iters)
         return ClusterPlan(assign=assign, medoids=None, centers=centers)
     seeds = _default_init(init, weights, k, N, B, x.device)
+    if _reads_back(x) and kmeans_native.applies():
+        # Eager on the CPU: the iterations in C++, one example at a time, which centres
+        # the tokens itself (the mean is the one centred() subtracts).
+        tokens = x.detach().to(torch.promote_types(x.dtype, torch.float32))
+        w = _weights(x, weights, tokens.dtype)
+        assign, centers = kmeans_native.iterate_on_cpu(tokens, tokens.mean(dim=1), w, seeds, max_iters)
+        return ClusterPlan(assign=assign, medoids=None, centers=centers.to(x.dtype))
     xc = centred(x.detach())
     w = _weights(x, weights, xc.dtype)
     centers = gather_tokens(xc, seeds)

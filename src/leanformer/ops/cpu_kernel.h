@@ -8,6 +8,8 @@
 
 #pragma once
 
+#include <cstdint>
+
 // Loops that vectorise are compiled three times, for CPUs with AVX-512 (and FMA), with
 // AVX2, and for plain x86-64; the CPU picks one when the library loads, by its features
 // (clones named by "arch=" match one CPU model only), so the build flags stay portable.
@@ -57,3 +59,27 @@ class SingleThreadedBlas {
 };
 
 }  // namespace leanformer_blas
+
+namespace leanformer_tokens {
+
+// Tokens minus their mean (as leanformer.ops.token_distances.centred), and their squared
+// norms, in one pass over the example's tokens. Distances do not change; their float
+// rounding does: the expansion |x|^2 + |y|^2 - 2 x.y loses the digits of |x - y|^2 below
+// the rounding of |x|^2, which centring keeps small.
+template <typename T>
+LEANFORMER_CPU_VARIANTS void centre(const T* x, const T* mean, int64_t n, int64_t c, T* out, T* sq) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* xi = x + i * c;
+    T* oi = out + i * c;
+    T sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t d = 0; d < c; ++d) {
+      const T v = xi[d] - mean[d];
+      oi[d] = v;
+      sum += v * v;
+    }
+    sq[i] = sum;
+  }
+}
+
+}  // namespace leanformer_tokens

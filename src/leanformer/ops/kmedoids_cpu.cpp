@@ -156,26 +156,6 @@ int64_t unmoved_twin(const Example<T>& e, int64_t j, const std::vector<char>& mo
   return -1;
 }
 
-// Tokens minus their mean (as leanformer.ops.token_distances.centred), and their squared
-// norms, in one pass over the example's tokens. Distances do not change; their float
-// rounding does: the expansion |x|^2 + |y|^2 - 2 x.y loses the digits of |x - y|^2 below
-// the rounding of |x|^2, which centring keeps small.
-template <typename T>
-LEANFORMER_CPU_VARIANTS void centre(const T* x, const T* mean, int64_t n, int64_t c, T* out, T* sq) {
-  for (int64_t i = 0; i < n; ++i) {
-    const T* xi = x + i * c;
-    T* oi = out + i * c;
-    T sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t d = 0; d < c; ++d) {
-      const T v = xi[d] - mean[d];
-      oi[d] = v;
-      sum += v * v;
-    }
-    sq[i] = sum;
-  }
-}
-
 // The tokens that are not medoids, in token order, into e.others, and column_of every
 // token (-1 for a medoid); not_a_partition unless the medoids are K distinct tokens.
 // not_finite when a norm or a weight is NaN (a NaN token gives a NaN norm).
@@ -295,7 +275,7 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w
     // they stay in the core's cache through the table and the iterations.
     std::vector<T> centred(n * c), sq(n);
     for (int64_t b = begin; b < end; ++b) {
-      centre(xp + b * n * c, mean_p + b * c, n, c, centred.data(), sq.data());
+      leanformer_tokens::centre(xp + b * n * c, mean_p + b * c, n, c, centred.data(), sq.data());
       const Example<T> e{centred.data(), sq.data(), wp + b * n, dp + b * k * m, mp + b * k,
                          op + b * m,     ap + b * n, wk + b,     n,              k,          m, c};
       const Fault found = run_example(e, max_iters);

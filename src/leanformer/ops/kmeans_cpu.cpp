@@ -1,0 +1,200 @@
+// Weighted K-Means (Lloyd) iterations on the CPU, one example at a time (Token Pooling,
+// eqs. 10-11 / 14-15).
+//
+// The batched Python plan (leanformer/ops/clustering.py) runs a dozen small tensor
+// operations per iteration, whose fixed cost outweighs the arithmetic at token pooling's
+// sizes (tens of tokens per example on small models). Here each task takes one example,
+// examples in parallel, with the same algorithm:
+//
+//   start    the centres are the seed tokens; every token goes to its nearest centre,
+//            and each seed to its own cluster (so none starts empty);
+//   update   every cluster's centre to the weighted mean of its members; a cluster
+//            without weight keeps its centre (standard Lloyd);
+//   assign   every token to its nearest centre (the first on ties);
+//   stop     when the assignment does not change, or after max_iters updates.
+//
+// Distances to the centres are one BLAS product per assignment, summed as
+// leanformer.ops.token_distances.pairwise_sq_dists sums them: (|c|^2 - 2 x.c) + |x|^2.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "cpu_kernel.h"
+
+namespace {
+
+template <typename T>
+struct Example {
+  const T* x;        // [N, C] centred tokens
+  const T* sq;       // [N] their squared norms
+  const T* w;        // [N] weights
+  T* centres;        // [K, C]
+  int64_t* assign;   // [N]
+  int64_t n, k, c;
+};
+
+// Every token's nearest centre, the first on ties -> assign; whether it changed.
+template <typename T>
+LEANFORMER_CPU_VARIANTS bool assign_nearest(const Example<T>& e, std::vector<T>& dist, std::vector<T>& centre_sq) {
+  const int64_t n = e.n, k = e.k, c = e.c;
+  for (int64_t j = 0; j < k; ++j) {
+    const T* cj = e.centres + j * c;
+    T sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t d = 0; d < c; ++d) sum += cj[d] * cj[d];
+    centre_sq[j] = sum;
+  }
+  for (int64_t i = 0; i < n; ++i) std::copy(centre_sq.begin(), centre_sq.end(), dist.begin() + i * k);
+  // Row-major dist [N x K] += -2 x centres^T, as column-major dist^T.
+  leanformer_blas::gemm('T', 'N', static_cast<int>(k), static_cast<int>(n), static_cast<int>(c), T(-2), e.centres,
+                        static_cast<int>(c), e.x, static_cast<int>(c), T(1), dist.data(), static_cast<int>(k));
+  bool changed = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = dist.data() + i * k;
+    int64_t best = 0;
+    T best_d = std::numeric_limits<T>::infinity();
+    for (int64_t j = 0; j < k; ++j) {
+      T d = row[j] + e.sq[i];
+      d = d > T(0) ? d : T(0);
+      if (d < best_d) {  // strict: the first centre keeps a tie
+        best_d = d;
+        best = j;
+      }
+    }
+    changed |= e.assign[i] != best;
+    e.assign[i] = best;
+  }
+  return changed;
+}
+
+// Every cluster with weight moves to the weighted mean of its members.
+template <typename T>
+LEANFORMER_CPU_VARIANTS void update_centres(const Example<T>& e, std::vector<T>& sums, std::vector<T>& total) {
+  const int64_t n = e.n, k = e.k, c = e.c;
+  std::fill(sums.begin(), sums.end(), T(0));
+  std::fill(total.begin(), total.end(), T(0));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = e.assign[i];
+    const T wi = e.w[i];
+    total[j] += wi;
+    T* sj = sums.data() + j * c;
+    const T* xi = e.x + i * c;
+#pragma omp simd
+    for (int64_t d = 0; d < c; ++d) sj[d] += wi * xi[d];
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    if (!(total[j] > T(0))) continue;
+    const T* sj = sums.data() + j * c;
+    T* cj = e.centres + j * c;
+    for (int64_t d = 0; d < c; ++d) cj[d] = sj[d] / total[j];
+  }
+}
+
+enum class Fault : int { none = 0, bad_seeds, not_finite };
+
+template <typename T>
+Fault run_example(const Example<T>& e, const int64_t* seeds, int64_t max_iters, std::vector<char>& seen) {
+  const int64_t n = e.n, k = e.k, c = e.c;
+  std::fill(seen.begin(), seen.end(), 0);
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t t = seeds[j];
+    if (t < 0 || t >= n || seen[t]) return Fault::bad_seeds;
+    seen[t] = 1;
+    std::copy(e.x + t * c, e.x + (t + 1) * c, e.centres + j * c);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(e.sq[i]) || std::isnan(e.w[i])) return Fault::not_finite;
+  }
+  std::vector<T> dist(n * k), centre_sq(k), sums(k * c), total(k);
+  std::fill(e.assign, e.assign + n, int64_t(-1));
+  assign_nearest(e, dist, centre_sq);
+  for (int64_t j = 0; j < k; ++j) e.assign[seeds[j]] = j;
+  for (int64_t it = 0; it < max_iters; ++it) {
+    update_centres(e, sums, total);
+    if (!assign_nearest(e, dist, centre_sq)) break;  // a fixed point: later iterations give it again
+  }
+  return Fault::none;
+}
+
+template <typename T>
+Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w, const at::Tensor& seeds,
+                at::Tensor& centres, at::Tensor& assign, int64_t max_iters) {
+  const int64_t batch = x.size(0), n = x.size(1), c = x.size(2), k = seeds.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* mean_p = mean.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  const int64_t* sp = seeds.data_ptr<int64_t>();
+  T* cp = centres.data_ptr<T>();
+  int64_t* ap = assign.data_ptr<int64_t>();
+  std::atomic<int> fault{static_cast<int>(Fault::none)};
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    // Examples in parallel: each task's products on its own thread. A single task
+    // (batch 1) runs outside any parallel region, and its products may use every thread.
+    std::optional<leanformer_blas::SingleThreadedBlas> one_blas_thread;
+    if (at::in_parallel_region()) one_blas_thread.emplace();
+    std::vector<T> centred(n * c), sq(n);
+    std::vector<char> seen(n);
+    for (int64_t b = begin; b < end; ++b) {
+      leanformer_tokens::centre(xp + b * n * c, mean_p + b * c, n, c, centred.data(), sq.data());
+      const Example<T> e{centred.data(), sq.data(), wp + b * n, cp + b * k * c, ap + b * n, n, k, c};
+      const Fault found = run_example(e, sp + b * k, max_iters, seen);
+      if (found != Fault::none) {
+        fault.store(static_cast<int>(found));
+        continue;
+      }
+      // Back from centred coordinates to the tokens' own.
+      T* centres_b = cp + b * k * c;
+      for (int64_t j = 0; j < k; ++j) {
+        for (int64_t d = 0; d < c; ++d) centres_b[j * c + d] += mean_p[b * c + d];
+      }
+    }
+  });
+  return static_cast<Fault>(fault.load());
+}
+
+}  // namespace
+
+// x [B, N, C] tokens, mean [B, C] their mean per example, weights [B, N] (one floating
+// type), seeds [B, K] int64 distinct seed tokens (K < N). Returns (assign [B, N],
+// centres [B, K, C] in the tokens' coordinates); the inputs are not modified.
+std::tuple<at::Tensor, at::Tensor> kmeans_iterate(const at::Tensor& x_in, const at::Tensor& mean_in,
+                                                  const at::Tensor& weights, const at::Tensor& seeds,
+                                                  int64_t max_iters) {
+  TORCH_CHECK(x_in.device().is_cpu(), "kmeans_iterate runs on the CPU");
+  TORCH_CHECK(x_in.dim() == 3, "tokens must be [B, N, C]");
+  const int64_t batch = x_in.size(0), n = x_in.size(1), c = x_in.size(2), k = seeds.size(1);
+  TORCH_CHECK(mean_in.sizes() == at::IntArrayRef({batch, c}), "mean must be [B, C]");
+  TORCH_CHECK(weights.sizes() == at::IntArrayRef({batch, n}), "weights must be [B, N]");
+  TORCH_CHECK(seeds.dim() == 2 && seeds.size(0) == batch && k >= 1 && k < n, "seeds must be [B, K], K < N");
+  TORCH_CHECK(seeds.scalar_type() == at::kLong, "seeds must be int64");
+  TORCH_CHECK(mean_in.scalar_type() == x_in.scalar_type() && weights.scalar_type() == x_in.scalar_type(),
+              "tokens, mean and weights must share one floating type");
+  TORCH_CHECK(c <= std::numeric_limits<int>::max() && n <= std::numeric_limits<int>::max(),
+              "too many tokens or features for a BLAS product");
+  const at::Tensor x = x_in.contiguous(), mean = mean_in.contiguous(), w = weights.contiguous();
+  const at::Tensor s = seeds.contiguous();
+  at::Tensor centres = at::empty({batch, k, c}, x.options());
+  at::Tensor assign = at::empty({batch, n}, seeds.options());
+  Fault fault = Fault::none;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "kmeans_iterate", [&] {
+    fault = run_batch<scalar_t>(x, mean, w, s, centres, assign, max_iters);
+  });
+  TORCH_CHECK_VALUE(fault != Fault::bad_seeds, "K-Means: the seeds must be K distinct tokens");
+  TORCH_CHECK_VALUE(fault != Fault::not_finite, "K-Means needs finite tokens and weights (got NaN)");
+  return {assign, centres};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The loops touch no Python object: other Python threads (data loaders) may run meanwhile.
+  m.def("kmeans_iterate", &kmeans_iterate, "Weighted K-Means iterations, one example per task",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}
