@@ -53,7 +53,11 @@ def test_kernel_plans_equal_the_batched_plans(
 ) -> None:
     x, w = _clustered(b, n, c, seed=n + k, dtype=dtype)
     gen = torch.Generator().manual_seed(k)
-    init = None if start == "topk" else init_centers(None, k, num_tokens=n, batch=b, mode="random", generator=gen)
+    init = (
+        None
+        if start == "topk"
+        else init_centers(None, k, num_tokens=n, batch=b, mode="random", generator=gen)
+    )
     for weights in (w, None):
         for iters in (0, 1, 5, 20):
             kernel = kmeans_plan(x, k, weights=weights, init=init, max_iters=iters)
