@@ -210,3 +210,26 @@ def test_bad_inputs_to_the_kernel_are_clear_errors() -> None:
         kernel.attention_received(q, k, v, torch.zeros(1, 1, 1, 6), 0.3, 8)
     with pytest.raises(RuntimeError, match="block_rows"):
         kernel.attention_received(q, k, v, None, 0.3, 0)
+
+
+def test_one_query_with_a_narrow_row_stride_and_no_keys() -> None:
+    """A single query row whose stride is below its width (a transposed view) is copied
+    for the BLAS product; with no keys at all the tensor blocks answer."""
+    q = torch.randn(2, 3, 8, 1).transpose(-1, -2)  # [2, 3, 1, 8], row stride 1
+    _, k, v = _qkv(2, 3, 1, 5, 8, seed=8, dtype=torch.float32)
+    with torch.no_grad():
+        got = _kernel(q, k, v, None)
+        want = _plain(q, k, v, None)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+        empty_k, empty_v = k[:, :, :0], v[:, :, :0]
+        out, received = _kernel(q, empty_k, empty_v, None)
+        ref_out, ref_received = _plain(q, empty_k, empty_v, None)
+    torch.testing.assert_close(out, ref_out)
+    assert received.shape == ref_received.shape == (2, 0)
+
+
+def test_a_mask_on_another_device_is_refused_by_the_kernel() -> None:
+    q, k, v = _qkv(1, 2, 4, 4, 8, seed=0, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="CPU tensor"):
+        attention_native._kernel.attention_received(q, k, v, torch.zeros(1, 2, 4, 4, device="meta"), 0.3, 8)

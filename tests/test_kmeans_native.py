@@ -161,6 +161,8 @@ def test_bad_kernel_inputs_raise_clear_errors(monkeypatch) -> None:
     nan[1, 3, 0] = float("nan")
     with pytest.raises(ValueError, match="finite tokens and weights"):
         kmeans_native.iterate_on_cpu(nan, nan.mean(dim=1), w, seeds, 5)
+    with pytest.raises(RuntimeError, match="must all be CPU tensors"):
+        kmeans_native.iterate_on_cpu(x, mean, w.to("meta"), seeds, 5)
     monkeypatch.setattr(kmeans_native, "_kernel", None)
     with pytest.raises(RuntimeError, match="without its C\\+\\+ K-Means kernel"):
         kmeans_native.iterate_on_cpu(x, mean, w, seeds, 5)

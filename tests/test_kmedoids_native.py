@@ -201,6 +201,8 @@ def test_bad_kernel_inputs_raise_clear_errors(monkeypatch) -> None:
     outside[1, 0] = x.shape[1]
     with pytest.raises(ValueError, match="K distinct tokens"):
         kmedoids_native.iterate_on_cpu(x, mean, w, outside, 5)
+    with pytest.raises(RuntimeError, match="must all be CPU tensors"):
+        kmedoids_native.iterate_on_cpu(x, mean, w, medoids.to("meta"), 5)
     monkeypatch.setattr(kmedoids_native, "_kernel", None)
     with pytest.raises(RuntimeError, match="without its C\\+\\+ K-Medoids kernel"):
         kmedoids_native.iterate_on_cpu(x, mean, w, medoids, 5)

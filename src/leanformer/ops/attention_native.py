@@ -42,6 +42,8 @@ def applies(
         return False
     if v.shape[-1] != q.shape[-1] or (mask is not None and mask.device.type != "cpu"):
         return False
+    if min(k.shape[-2], q.shape[-1]) == 0 or not q.device == k.device == v.device:
+        return False  # no keys or no features: the tensor blocks' empty products
     if _kernel is None:
         _warn_once()
         return False
@@ -64,7 +66,8 @@ def _blas_rows(t: Tensor) -> Tensor:
     """``t`` itself when a BLAS product can step through its rows, else a contiguous copy."""
     if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1]:
         return t
-    return t.contiguous()
+    # clone, not contiguous(): with one row, contiguous() keeps any stride of that row.
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def attention_received(

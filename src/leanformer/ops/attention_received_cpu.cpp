@@ -41,7 +41,8 @@ using leanformer_blas::gemm;
 // must be; NaN stays NaN.
 inline float exp_nonpositive(float x) {
   const bool underflow = x < -87.3f;
-  x = underflow ? 0.f : x;
+  const bool nan = x != x;
+  x = underflow || nan ? 0.f : x;  // no NaN reaches the conversion to int below
   const float k = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
   float r = x - k * 0.693359375f;  // ln2 in two parts, so r carries no rounding of k ln2
   r = r + k * 2.12194440e-4f;
@@ -53,7 +54,7 @@ inline float exp_nonpositive(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
   const float two_k = std::bit_cast<float>((static_cast<int32_t>(k) + 127) << 23);
-  return underflow ? 0.f : p * two_k;
+  return nan ? std::numeric_limits<float>::quiet_NaN() : (underflow ? 0.f : p * two_k);
 }
 
 inline double exp_nonpositive(double x) { return std::exp(x); }
@@ -161,6 +162,7 @@ std::tuple<at::Tensor, at::Tensor> attention_received(const at::Tensor& q, const
                                                       double scale, int64_t block_rows) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "attention_received runs on the CPU");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k and v must be [B, H, N, D]");
+  TORCH_CHECK(q.size(1) * q.size(3) <= std::numeric_limits<int>::max(), "too many heads x features for BLAS");
   const int64_t batch = q.size(0), heads = q.size(1), num_queries = q.size(2), head_dim = q.size(3);
   const int64_t num_keys = k.size(2);
   TORCH_CHECK(k.sizes() == at::IntArrayRef({batch, heads, num_keys, head_dim}), "k must be [B, H, Nk, D] like q");
@@ -173,6 +175,7 @@ std::tuple<at::Tensor, at::Tensor> attention_received(const at::Tensor& q, const
   TORCH_CHECK(fits_blas(q) && fits_blas(k) && fits_blas(v),
               "q, k and v need contiguous rows (last stride 1) that a BLAS product can step through");
   if (mask.has_value()) {
+    TORCH_CHECK(mask->device().is_cpu(), "the mask must be a CPU tensor");
     TORCH_CHECK(mask->sizes() == at::IntArrayRef({batch, heads, num_queries, num_keys}),
                 "the mask must be a [B, H, Nq, Nk] view");
     TORCH_CHECK(mask->scalar_type() == q.scalar_type(), "the mask must have q's floating type");

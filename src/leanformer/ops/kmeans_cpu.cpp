@@ -169,9 +169,13 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w
 std::tuple<at::Tensor, at::Tensor> kmeans_iterate(const at::Tensor& x_in, const at::Tensor& mean_in,
                                                   const at::Tensor& weights, const at::Tensor& seeds,
                                                   int64_t max_iters) {
-  TORCH_CHECK(x_in.device().is_cpu(), "kmeans_iterate runs on the CPU");
+  TORCH_CHECK(x_in.device().is_cpu() && mean_in.device().is_cpu() && weights.device().is_cpu() &&
+                  seeds.device().is_cpu(),
+              "kmeans_iterate runs on the CPU: tokens, mean, weights and seeds must all be CPU tensors");
   TORCH_CHECK(x_in.dim() == 3, "tokens must be [B, N, C]");
+  TORCH_CHECK(seeds.dim() == 2, "seeds must be [B, K]");
   const int64_t batch = x_in.size(0), n = x_in.size(1), c = x_in.size(2), k = seeds.size(1);
+  TORCH_CHECK(c >= 1, "tokens need at least one feature");
   TORCH_CHECK(mean_in.sizes() == at::IntArrayRef({batch, c}), "mean must be [B, C]");
   TORCH_CHECK(weights.sizes() == at::IntArrayRef({batch, n}), "weights must be [B, N]");
   TORCH_CHECK(seeds.dim() == 2 && seeds.size(0) == batch && k >= 1 && k < n, "seeds must be [B, K], K < N");

@@ -294,9 +294,13 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor& x_in, const at::Tensor& mean_in,
                                                     const at::Tensor& weights, const at::Tensor& medoids,
                                                     int64_t max_iters) {
-  TORCH_CHECK(x_in.device().is_cpu(), "kmedoids_iterate runs on the CPU");
+  TORCH_CHECK(x_in.device().is_cpu() && mean_in.device().is_cpu() && weights.device().is_cpu() &&
+                  medoids.device().is_cpu(),
+              "kmedoids_iterate runs on the CPU: tokens, mean, weights and medoids must all be CPU tensors");
   TORCH_CHECK(x_in.dim() == 3, "tokens must be [B, N, C]");
+  TORCH_CHECK(medoids.dim() == 2, "medoids must be [B, K]");
   const int64_t batch = x_in.size(0), n = x_in.size(1), c = x_in.size(2), k = medoids.size(1);
+  TORCH_CHECK(c >= 1, "tokens need at least one feature");
   TORCH_CHECK(mean_in.sizes() == at::IntArrayRef({batch, c}), "mean must be [B, C]");
   TORCH_CHECK(weights.sizes() == at::IntArrayRef({batch, n}), "weights must be [B, N]");
   TORCH_CHECK(medoids.dim() == 2 && medoids.size(0) == batch && k >= 1 && k < n, "medoids must be [B, K], K < N");
