@@ -10,25 +10,16 @@ import torch
 from leanformer.ops import kmedoids_native
 from leanformer.ops.clustering import init_centers, kmedoids_plan
 from leanformer.ops.token_distances import centred
-
-
-def test_the_package_was_built_with_the_kernel() -> None:
-    """`make venv` builds it; a build that failed would only show as slower plans."""
-    assert kmedoids_native.kernel_available(), (
-        "leanformer.ops._kmedoids_cpu is missing: reinstall with a C++ compiler "
-        "(pip install --no-build-isolation -e .) and read the build's warnings"
-    )
+from native_kernels import PLAN_SHAPES, clustered, on_threads, plan_variants, starting_tokens, without_kernel
 
 
 def _batched(monkeypatch: pytest.MonkeyPatch, *args, **kwargs):
-    with monkeypatch.context() as m:
-        m.setattr(kmedoids_native, "_kernel", None)
-        m.setattr(kmedoids_native, "_warned", True)
+    with without_kernel(monkeypatch, kmedoids_native):
         return kmedoids_plan(*args, **kwargs)
 
 
 def test_without_the_kernel_plans_warn_once_and_still_plan(monkeypatch) -> None:
-    x, w = _clustered(2, 20, 4, seed=0, dtype=torch.float32)
+    x, w = clustered(2, 20, 4, seed=0, dtype=torch.float32)
     monkeypatch.setattr(kmedoids_native, "_kernel", None)
     monkeypatch.setattr(kmedoids_native, "_warned", False)
     with pytest.warns(kmedoids_native.MissingKernelWarning, match="without its C\\+\\+ K-Medoids kernel"):
@@ -39,32 +30,15 @@ def test_without_the_kernel_plans_warn_once_and_still_plan(monkeypatch) -> None:
     assert torch.equal(first.assign, second.assign)
 
 
-def _clustered(b: int, n: int, c: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    centres = 4 * torch.randn(b, max(2, n // 6), c, generator=g)
-    members = torch.randint(0, centres.shape[1], (n,), generator=g)
-    x = centres[:, members] + torch.randn(b, n, c, generator=g)
-    return x.to(dtype), (torch.rand(b, n, generator=g) + 0.1).to(dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(
-    ("b", "n", "c", "k"),
-    [(16, 64, 96, 56), (16, 64, 96, 32), (4, 197, 48, 98), (3, 120, 8, 117), (2, 300, 16, 150), (5, 9, 4, 1)],
-)
-@pytest.mark.parametrize("start", ["topk", "random"])
+@plan_variants
+@pytest.mark.parametrize(("b", "n", "c", "k"), PLAN_SHAPES)
 def test_kernel_plans_equal_the_batched_plans(
     dtype: torch.dtype, b: int, n: int, c: int, k: int, start: str, monkeypatch
 ) -> None:
     """Weighted and unweighted, from the top-K start and from random starts (which move
     many medoids over several updates)."""
-    x, w = _clustered(b, n, c, seed=n + k, dtype=dtype)
-    gen = torch.Generator().manual_seed(k)
-    init = (
-        None
-        if start == "topk"
-        else init_centers(None, k, num_tokens=n, batch=b, mode="random", generator=gen)
-    )
+    x, w = clustered(b, n, c, seed=n + k, dtype=dtype)
+    init = starting_tokens(start, k, n, b)
     moved = False
     for weights in (w, None):
         kernel = kmedoids_plan(x, k, weights=weights, init=init, max_iters=8)
@@ -82,7 +56,7 @@ def test_identical_medoids_keep_identical_distance_rows(monkeypatch) -> None:
     (the first in medoid order takes the tokens), although the caller's matrix product
     made the other's distances: with every token duplicated, any rounding difference
     between the two would send tokens to the second copy."""
-    x, w = _clustered(6, 20, 12, seed=3, dtype=torch.float32)
+    x, w = clustered(6, 20, 12, seed=3, dtype=torch.float32)
     x, w = torch.cat([x, x], dim=1), torch.cat([w, w], dim=1)  # token i + 20 is token i
     gen = torch.Generator().manual_seed(0)
     for k in (3, 9, 17):
@@ -125,7 +99,7 @@ def test_duplicates_and_weightless_tokens_give_the_plans_of_the_batched_update_f
 
 
 def test_not_a_number_is_a_clear_error_and_overflow_no_crash(monkeypatch) -> None:
-    x, w = _clustered(3, 12, 4, seed=2, dtype=torch.float32)
+    x, w = clustered(3, 12, 4, seed=2, dtype=torch.float32)
     bad = x.clone()
     bad[1, 5, 2] = float("nan")
     with pytest.raises(ValueError, match="finite tokens and weights"):
@@ -143,20 +117,13 @@ def test_not_a_number_is_a_clear_error_and_overflow_no_crash(monkeypatch) -> Non
 
 def test_plans_do_not_depend_on_the_thread_count() -> None:
     """Examples run in parallel, each in one task: the plan is the same with 1 or 2 threads."""
-    x, w = _clustered(9, 80, 24, seed=1, dtype=torch.float32)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = kmedoids_plan(x, 30, weights=w)
-        torch.set_num_threads(2)
-        two = kmedoids_plan(x, 30, weights=w)
-    finally:
-        torch.set_num_threads(before)
+    x, w = clustered(9, 80, 24, seed=1, dtype=torch.float32)
+    one, two = (on_threads(t, lambda: kmedoids_plan(x, 30, weights=w)) for t in (1, 2))
     assert torch.equal(one.assign, two.assign) and torch.equal(one.medoids, two.medoids)
 
 
 def _inputs(b: int = 2, n: int = 10, c: int = 3, k: int = 4):
-    x, w = _clustered(b, n, c, seed=0, dtype=torch.float32)
+    x, w = clustered(b, n, c, seed=0, dtype=torch.float32)
     return x, x.mean(dim=1), w, w.topk(k, dim=1).indices
 
 
@@ -175,7 +142,7 @@ def test_the_kernel_table_is_the_python_table() -> None:
     from leanformer.ops.medoid_distances import medoid_distances, nearest_medoids
 
     for seed in range(5):
-        x, w = _clustered(3, 150, 24, seed=seed, dtype=torch.float32)
+        x, w = clustered(3, 150, 24, seed=seed, dtype=torch.float32)
         x = x + 1e3
         xc = centred(x)
         sq = torch.linalg.vector_norm(xc, dim=-1).square()
@@ -183,29 +150,6 @@ def test_the_kernel_table_is_the_python_table() -> None:
         assign, same = kmedoids_native.iterate_on_cpu(x, x.mean(dim=1), w, medoids, 0)
         assert torch.equal(same, medoids)
         assert torch.equal(assign, nearest_medoids(medoid_distances(xc, sq, medoids), medoids, 150))
-
-
-def test_bad_kernel_inputs_raise_clear_errors(monkeypatch) -> None:
-    x, mean, w, medoids = _inputs()
-    with pytest.raises(RuntimeError, match="one floating type"):
-        kmedoids_native.iterate_on_cpu(x, mean, w.double(), medoids, 5)
-    with pytest.raises(RuntimeError, match=r"mean must be \[B, C\]"):
-        kmedoids_native.iterate_on_cpu(x, mean[:, 1:], w, medoids, 5)
-    with pytest.raises(RuntimeError, match="int64"):
-        kmedoids_native.iterate_on_cpu(x, mean, w, medoids.int(), 5)
-    repeated = medoids.clone()
-    repeated[0, 1] = repeated[0, 0]
-    with pytest.raises(ValueError, match="K distinct tokens"):
-        kmedoids_native.iterate_on_cpu(x, mean, w, repeated, 5)
-    outside = medoids.clone()
-    outside[1, 0] = x.shape[1]
-    with pytest.raises(ValueError, match="K distinct tokens"):
-        kmedoids_native.iterate_on_cpu(x, mean, w, outside, 5)
-    with pytest.raises(RuntimeError, match="must all be CPU tensors"):
-        kmedoids_native.iterate_on_cpu(x, mean, w, medoids.to("meta"), 5)
-    monkeypatch.setattr(kmedoids_native, "_kernel", None)
-    with pytest.raises(RuntimeError, match="without its C\\+\\+ K-Medoids kernel"):
-        kmedoids_native.iterate_on_cpu(x, mean, w, medoids, 5)
 
 
 def test_flop_counters_count_the_distances_the_kernel_computes(monkeypatch) -> None:

@@ -8,7 +8,13 @@
 
 #pragma once
 
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
 #include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
 
 // Loops that vectorise are compiled three times, for CPUs with AVX-512 (and FMA), with
 // AVX2, and for plain x86-64; the CPU picks one when the library loads, by its features
@@ -80,6 +86,51 @@ LEANFORMER_CPU_VARIANTS void centre(const T* x, const T* mean, int64_t n, int64_
     }
     sq[i] = sum;
   }
+}
+
+struct ClusteringShape {
+  int64_t batch, n, c, k;
+};
+
+// The clustering kernels' inputs: tokens x [B, N, C], their mean [B, C], weights [B, N]
+// (one floating type, all on the CPU) and `start` [B, K] int64 token indices, K < N
+// (named `start_name` in the errors).
+inline ClusteringShape check_clustering_inputs(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& weights,
+                                               const at::Tensor& start, const char* start_name) {
+  TORCH_CHECK(x.device().is_cpu() && mean.device().is_cpu() && weights.device().is_cpu() && start.device().is_cpu(),
+              "the C++ clustering runs on the CPU: tokens, mean, weights and ", start_name,
+              " must all be CPU tensors");
+  TORCH_CHECK(x.dim() == 3, "tokens must be [B, N, C]");
+  TORCH_CHECK(start.dim() == 2, start_name, " must be [B, K]");
+  const ClusteringShape s{x.size(0), x.size(1), x.size(2), start.size(1)};
+  TORCH_CHECK(s.c >= 1, "tokens need at least one feature");
+  TORCH_CHECK(mean.sizes() == at::IntArrayRef({s.batch, s.c}), "mean must be [B, C]");
+  TORCH_CHECK(weights.sizes() == at::IntArrayRef({s.batch, s.n}), "weights must be [B, N]");
+  TORCH_CHECK(start.size(0) == s.batch && s.k >= 1 && s.k < s.n, start_name, " must be [B, K], K < N");
+  TORCH_CHECK(start.scalar_type() == at::kLong, start_name, " must be int64");
+  TORCH_CHECK(mean.scalar_type() == x.scalar_type() && weights.scalar_type() == x.scalar_type(),
+              "tokens, mean and weights must share one floating type");
+  TORCH_CHECK(s.c <= std::numeric_limits<int>::max() && s.n <= std::numeric_limits<int>::max(),
+              "too many tokens or features for a BLAS product");
+  return s;
+}
+
+// work(b, centred, sq) for every example b of the tokens x [B, N, C], centred on their
+// mean [B, C] (with the squared norms), examples in parallel: each task's BLAS products
+// on its own thread. A single task (batch 1) runs outside any parallel region, and its
+// products may use every thread. A task's centred tokens are one buffer, reused by its
+// examples, so they stay in the core's cache through the work.
+template <typename T, typename Work>
+void for_each_centred_example(const T* x, const T* mean, int64_t batch, int64_t n, int64_t c, const Work& work) {
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    std::optional<leanformer_blas::SingleThreadedBlas> one_blas_thread;
+    if (at::in_parallel_region()) one_blas_thread.emplace();
+    std::vector<T> centred(n * c), sq(n);
+    for (int64_t b = begin; b < end; ++b) {
+      centre(x + b * n * c, mean + b * c, n, c, centred.data(), sq.data());
+      work(b, centred.data(), sq.data());
+    }
+  });
 }
 
 }  // namespace leanformer_tokens

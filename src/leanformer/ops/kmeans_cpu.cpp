@@ -102,9 +102,9 @@ LEANFORMER_CPU_VARIANTS void update_centres(const Example<T>& e, std::vector<T>&
 enum class Fault : int { none = 0, bad_seeds, not_finite };
 
 template <typename T>
-Fault run_example(const Example<T>& e, const int64_t* seeds, int64_t max_iters, std::vector<char>& seen) {
+Fault run_example(const Example<T>& e, const int64_t* seeds, int64_t max_iters) {
   const int64_t n = e.n, k = e.k, c = e.c;
-  std::fill(seen.begin(), seen.end(), 0);
+  std::vector<char> seen(n);
   for (int64_t j = 0; j < k; ++j) {
     const int64_t t = seeds[j];
     if (t < 0 || t >= n || seen[t]) return Fault::bad_seeds;
@@ -136,26 +136,17 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w
   T* cp = centres.data_ptr<T>();
   int64_t* ap = assign.data_ptr<int64_t>();
   std::atomic<int> fault{static_cast<int>(Fault::none)};
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    // Examples in parallel: each task's products on its own thread. A single task
-    // (batch 1) runs outside any parallel region, and its products may use every thread.
-    std::optional<leanformer_blas::SingleThreadedBlas> one_blas_thread;
-    if (at::in_parallel_region()) one_blas_thread.emplace();
-    std::vector<T> centred(n * c), sq(n);
-    std::vector<char> seen(n);
-    for (int64_t b = begin; b < end; ++b) {
-      leanformer_tokens::centre(xp + b * n * c, mean_p + b * c, n, c, centred.data(), sq.data());
-      const Example<T> e{centred.data(), sq.data(), wp + b * n, cp + b * k * c, ap + b * n, n, k, c};
-      const Fault found = run_example(e, sp + b * k, max_iters, seen);
-      if (found != Fault::none) {
-        fault.store(static_cast<int>(found));
-        continue;
-      }
-      // Back from centred coordinates to the tokens' own.
-      T* centres_b = cp + b * k * c;
-      for (int64_t j = 0; j < k; ++j) {
-        for (int64_t d = 0; d < c; ++d) centres_b[j * c + d] += mean_p[b * c + d];
-      }
+  leanformer_tokens::for_each_centred_example(xp, mean_p, batch, n, c, [&](int64_t b, const T* centred, const T* sq) {
+    const Example<T> e{centred, sq, wp + b * n, cp + b * k * c, ap + b * n, n, k, c};
+    const Fault found = run_example(e, sp + b * k, max_iters);
+    if (found != Fault::none) {
+      fault.store(static_cast<int>(found));
+      return;
+    }
+    // Back from centred coordinates to the tokens' own.
+    T* centres_b = cp + b * k * c;
+    for (int64_t j = 0; j < k; ++j) {
+      for (int64_t d = 0; d < c; ++d) centres_b[j * c + d] += mean_p[b * c + d];
     }
   });
   return static_cast<Fault>(fault.load());
@@ -169,21 +160,8 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w
 std::tuple<at::Tensor, at::Tensor> kmeans_iterate(const at::Tensor& x_in, const at::Tensor& mean_in,
                                                   const at::Tensor& weights, const at::Tensor& seeds,
                                                   int64_t max_iters) {
-  TORCH_CHECK(x_in.device().is_cpu() && mean_in.device().is_cpu() && weights.device().is_cpu() &&
-                  seeds.device().is_cpu(),
-              "kmeans_iterate runs on the CPU: tokens, mean, weights and seeds must all be CPU tensors");
-  TORCH_CHECK(x_in.dim() == 3, "tokens must be [B, N, C]");
-  TORCH_CHECK(seeds.dim() == 2, "seeds must be [B, K]");
-  const int64_t batch = x_in.size(0), n = x_in.size(1), c = x_in.size(2), k = seeds.size(1);
-  TORCH_CHECK(c >= 1, "tokens need at least one feature");
-  TORCH_CHECK(mean_in.sizes() == at::IntArrayRef({batch, c}), "mean must be [B, C]");
-  TORCH_CHECK(weights.sizes() == at::IntArrayRef({batch, n}), "weights must be [B, N]");
-  TORCH_CHECK(seeds.dim() == 2 && seeds.size(0) == batch && k >= 1 && k < n, "seeds must be [B, K], K < N");
-  TORCH_CHECK(seeds.scalar_type() == at::kLong, "seeds must be int64");
-  TORCH_CHECK(mean_in.scalar_type() == x_in.scalar_type() && weights.scalar_type() == x_in.scalar_type(),
-              "tokens, mean and weights must share one floating type");
-  TORCH_CHECK(c <= std::numeric_limits<int>::max() && n <= std::numeric_limits<int>::max(),
-              "too many tokens or features for a BLAS product");
+  const auto [batch, n, c, k] =
+      leanformer_tokens::check_clustering_inputs(x_in, mean_in, weights, seeds, "seeds");
   const at::Tensor x = x_in.contiguous(), mean = mean_in.contiguous(), w = weights.contiguous();
   const at::Tensor s = seeds.contiguous();
   at::Tensor centres = at::empty({batch, k, c}, x.options());

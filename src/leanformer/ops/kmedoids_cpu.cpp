@@ -266,21 +266,10 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w
   int64_t* ap = assign.data_ptr<int64_t>();
   int64_t* wk = work.data_ptr<int64_t>();
   std::atomic<int> fault{static_cast<int>(Fault::none)};
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-    // Examples in parallel: each task's table product on its own thread. A single task
-    // (batch 1) runs outside any parallel region, and its product may use every thread.
-    std::optional<leanformer_blas::SingleThreadedBlas> one_blas_thread;
-    if (at::in_parallel_region()) one_blas_thread.emplace();
-    // One example's centred tokens and their squared norms, reused by the task's examples:
-    // they stay in the core's cache through the table and the iterations.
-    std::vector<T> centred(n * c), sq(n);
-    for (int64_t b = begin; b < end; ++b) {
-      leanformer_tokens::centre(xp + b * n * c, mean_p + b * c, n, c, centred.data(), sq.data());
-      const Example<T> e{centred.data(), sq.data(), wp + b * n, dp + b * k * m, mp + b * k,
-                         op + b * m,     ap + b * n, wk + b,     n,              k,          m, c};
-      const Fault found = run_example(e, max_iters);
-      if (found != Fault::none) fault.store(static_cast<int>(found));
-    }
+  leanformer_tokens::for_each_centred_example(xp, mean_p, batch, n, c, [&](int64_t b, const T* centred, const T* sq) {
+    const Example<T> e{centred, sq, wp + b * n, dp + b * k * m, mp + b * k, op + b * m, ap + b * n, wk + b, n, k, m, c};
+    const Fault found = run_example(e, max_iters);
+    if (found != Fault::none) fault.store(static_cast<int>(found));
   });
   return static_cast<Fault>(fault.load());
 }
@@ -294,21 +283,8 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor& x_in, const at::Tensor& mean_in,
                                                     const at::Tensor& weights, const at::Tensor& medoids,
                                                     int64_t max_iters) {
-  TORCH_CHECK(x_in.device().is_cpu() && mean_in.device().is_cpu() && weights.device().is_cpu() &&
-                  medoids.device().is_cpu(),
-              "kmedoids_iterate runs on the CPU: tokens, mean, weights and medoids must all be CPU tensors");
-  TORCH_CHECK(x_in.dim() == 3, "tokens must be [B, N, C]");
-  TORCH_CHECK(medoids.dim() == 2, "medoids must be [B, K]");
-  const int64_t batch = x_in.size(0), n = x_in.size(1), c = x_in.size(2), k = medoids.size(1);
-  TORCH_CHECK(c >= 1, "tokens need at least one feature");
-  TORCH_CHECK(mean_in.sizes() == at::IntArrayRef({batch, c}), "mean must be [B, C]");
-  TORCH_CHECK(weights.sizes() == at::IntArrayRef({batch, n}), "weights must be [B, N]");
-  TORCH_CHECK(medoids.dim() == 2 && medoids.size(0) == batch && k >= 1 && k < n, "medoids must be [B, K], K < N");
-  TORCH_CHECK(medoids.scalar_type() == at::kLong, "medoids must be int64");
-  TORCH_CHECK(mean_in.scalar_type() == x_in.scalar_type() && weights.scalar_type() == x_in.scalar_type(),
-              "tokens, mean and weights must share one floating type");
-  TORCH_CHECK(c <= std::numeric_limits<int>::max() && n <= std::numeric_limits<int>::max(),
-              "too many tokens or features for a BLAS product");
+  const auto [batch, n, c, k] =
+      leanformer_tokens::check_clustering_inputs(x_in, mean_in, weights, medoids, "medoids");
   const at::Tensor x = x_in.contiguous(), mean = mean_in.contiguous(), w = weights.contiguous();
   at::Tensor table = at::empty({batch, k, n - k}, x.options());
   at::Tensor new_medoids = medoids.clone(at::MemoryFormat::Contiguous);

@@ -1,0 +1,69 @@
+"""Helpers for the tests of the C++ kernels: clustered tokens, and running without a kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import TypeVar
+
+import pytest
+import torch
+
+from leanformer.ops.clustering import init_centers
+
+T = TypeVar("T")
+
+# (batch, tokens, channels, clusters) for the kernels' parity tests: the digits model's
+# layers, DeiT-S's width at 197 tokens, a block removing 3 tokens, long sequences, K = 1.
+PLAN_SHAPES = [
+    (16, 65, 96, 56),
+    (16, 64, 96, 32),
+    (16, 64, 96, 8),
+    (4, 197, 48, 98),
+    (3, 120, 8, 117),
+    (2, 300, 16, 150),
+    (5, 9, 4, 1),
+]
+
+# Every combination of float type and start, for the parity tests.
+plan_variants = pytest.mark.parametrize(
+    ("dtype", "start"), [(d, s) for d in (torch.float32, torch.float64) for s in ("topk", "random")]
+)
+
+
+def clustered(b: int, n: int, c: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[b, n, c]`` tokens around ``n // 6`` centres (so clusterings have moves to make),
+    and weights in [0.1, 1.1]."""
+    g = torch.Generator().manual_seed(seed)
+    centres = 4 * torch.randn(b, max(2, n // 6), c, generator=g)
+    members = torch.randint(0, centres.shape[1], (n,), generator=g)
+    x = centres[:, members] + torch.randn(b, n, c, generator=g)
+    return x.to(dtype), (torch.rand(b, n, generator=g) + 0.1).to(dtype)
+
+
+@contextmanager
+def without_kernel(monkeypatch: pytest.MonkeyPatch, native: ModuleType) -> Iterator[None]:
+    """As in a package built without a C++ compiler, minus the one-time warning."""
+    with monkeypatch.context() as m:
+        m.setattr(native, "_kernel", None)
+        m.setattr(native, "_warned", True)
+        yield
+
+
+def on_threads(threads: int, run: Callable[[], T]) -> T:
+    """``run()`` with ``threads`` intra-op threads, the thread count restored after."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        return run()
+    finally:
+        torch.set_num_threads(before)
+
+
+def starting_tokens(start: str, k: int, num_tokens: int, batch: int) -> torch.Tensor | None:
+    """The plans' ``init``: None (the top-K by weight) for ``"topk"``, else K random tokens."""
+    if start == "topk":
+        return None
+    gen = torch.Generator().manual_seed(k)
+    return init_centers(None, k, num_tokens=num_tokens, batch=batch, mode="random", generator=gen)
