@@ -264,6 +264,14 @@ def _weights(x: Tensor, weights: Tensor | None, dtype: torch.dtype) -> Tensor:
     return weights.detach().to(dtype)
 
 
+def _kernel_inputs(x: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """What the C++ clusterings take: the tokens widened as :func:`centred` widens them,
+    their mean per example (which the kernels subtract, as :func:`centred` does), and the
+    weights in the tokens' type."""
+    tokens = x.detach().to(torch.promote_types(x.dtype, torch.float32))
+    return tokens, tokens.mean(dim=1), _weights(x, weights, tokens.dtype)
+
+
 def _first_argmin(values: Tensor, assign: Tensor, k: int) -> Tensor:
     """Per cluster, the member token with the smallest ``values``; ties go to the lowest index.
 
@@ -388,11 +396,8 @@ def kmedoids_plan(
     medoids = _default_init(init, weights, k, N, B, x.device)
     if _reads_back(x):
         if kernel_available():
-            # Eager on the CPU: the iterations in C++, one example at a time, which
-            # centres the tokens itself (the mean is the one centred() subtracts).
-            tokens = x.detach().to(torch.promote_types(x.dtype, torch.float32))
-            w = _weights(x, weights, tokens.dtype)
-            assign, medoids = iterate_on_cpu(tokens, tokens.mean(dim=1), w, medoids, max_iters)
+            # Eager on the CPU: the iterations in C++, one example at a time.
+            assign, medoids = iterate_on_cpu(*_kernel_inputs(x, weights), medoids, max_iters)
             return ClusterPlan(assign=assign, medoids=medoids, centers=None)
         warn_once_without_kernel()
     xc = centred(x.detach())
@@ -462,11 +467,8 @@ def kmeans_plan(
         return ClusterPlan(assign=assign, medoids=None, centers=centers)
     seeds = _default_init(init, weights, k, N, B, x.device)
     if _reads_back(x) and kmeans_native.applies():
-        # Eager on the CPU: the iterations in C++, one example at a time, which centres
-        # the tokens itself (the mean is the one centred() subtracts).
-        tokens = x.detach().to(torch.promote_types(x.dtype, torch.float32))
-        w = _weights(x, weights, tokens.dtype)
-        assign, centers = kmeans_native.iterate_on_cpu(tokens, tokens.mean(dim=1), w, seeds, max_iters)
+        # Eager on the CPU: the iterations in C++, one example at a time.
+        assign, centers = kmeans_native.iterate_on_cpu(*_kernel_inputs(x, weights), seeds, max_iters)
         return ClusterPlan(assign=assign, medoids=None, centers=centers.to(x.dtype))
     xc = centred(x.detach())
     w = _weights(x, weights, xc.dtype)
