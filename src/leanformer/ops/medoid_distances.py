@@ -7,8 +7,9 @@ tokens. :class:`MedoidDistances` holds them as ``dists [B, K, M]``, column ``m``
 ``others[:, m]``.
 
 The batched plan computes the table afresh after every medoid update; the C++ iterations
-(:mod:`leanformer.ops.kmedoids_native`) start from it and recompute only what moved
-medoids change.
+(:mod:`leanformer.ops.kmedoids_native`) make the same table for the initial medoids
+themselves (one BLAS product, the sums in this module's order) and then recompute only
+what moved medoids change.
 
 Shapes: centred tokens ``xc [B, N, C]``, their squared norms ``sq_norms [B, N]``,
 ``medoids [B, K]`` token indices, distinct per example, ``K < N``.
