@@ -32,29 +32,56 @@ def test_the_package_was_built_with_the_kernel(wrapper: str, extension: str) -> 
     ("wrapper", "what"), [("kmedoids_native", "K-Medoids"), ("kmeans_native", "K-Means")]
 )
 def test_clustering_kernels_refuse_bad_inputs_clearly(wrapper: str, what: str, monkeypatch) -> None:
-    """Both take (tokens, their mean, weights, K starting tokens, iterations)."""
+    """Both take (tokens, weights, K starting tokens, iterations)."""
     native = importlib.import_module(f"leanformer.ops.{wrapper}")
     x, w = clustered(2, 10, 3, seed=0, dtype=torch.float32)
-    mean, start = x.mean(dim=1), w.topk(4, dim=1).indices
+    start = w.topk(4, dim=1).indices
     with pytest.raises(RuntimeError, match="one floating type"):
-        native.iterate_on_cpu(x, mean, w.double(), start, 5)
-    with pytest.raises(RuntimeError, match=r"mean must be \[B, C\]"):
-        native.iterate_on_cpu(x, mean[:, 1:], w, start, 5)
+        native.iterate_on_cpu(x, w.double(), start, 5)
+    with pytest.raises(RuntimeError, match=r"weights must be \[B, N\]"):
+        native.iterate_on_cpu(x, w[:, 1:], start, 5)
     with pytest.raises(RuntimeError, match="int64"):
-        native.iterate_on_cpu(x, mean, w, start.int(), 5)
+        native.iterate_on_cpu(x, w, start.int(), 5)
     repeated = start.clone()
     repeated[0, 1] = repeated[0, 0]
     outside = start.clone()
     outside[1, 0] = 10
     for bad in (repeated, outside):
         with pytest.raises(ValueError, match="K distinct tokens"):
-            native.iterate_on_cpu(x, mean, w, bad, 5)
+            native.iterate_on_cpu(x, w, bad, 5)
     nan = x.clone()
     nan[1, 3, 0] = float("nan")
     with pytest.raises(ValueError, match="finite tokens and weights"):
-        native.iterate_on_cpu(nan, nan.mean(dim=1), w, start, 5)
+        native.iterate_on_cpu(nan, w, start, 5)
     with pytest.raises(RuntimeError, match="must all be CPU tensors"):
-        native.iterate_on_cpu(x, mean, w.to("meta"), start, 5)
+        native.iterate_on_cpu(x, w.to("meta"), start, 5)
     monkeypatch.setattr(native, "_kernel", None)
     with pytest.raises(RuntimeError, match=f"without its C\\+\\+ {what} kernel"):
-        native.iterate_on_cpu(x, mean, w, start, 5)
+        native.iterate_on_cpu(x, w, start, 5)
+
+
+@pytest.mark.parametrize("wrapper", ["kmedoids_native", "kmeans_native"])
+def test_clustering_kernels_read_any_token_layout_as_its_contiguous_copy(wrapper: str) -> None:
+    """A reducer gets ``x[:, 1:]`` of a block's output: rows contiguous, examples further
+    apart than their rows. The kernels read such views in place and copy other layouts;
+    every layout must give the plan of the contiguous tokens, bit for bit."""
+    native = importlib.import_module(f"leanformer.ops.{wrapper}")
+    full, w = clustered(3, 41, 6, seed=4, dtype=torch.float32)
+    w = w[:, 1:].contiguous()
+    start = w.topk(12, dim=1).indices
+    layouts = {
+        "without the first token": full[:, 1:],
+        "channels strided": full.transpose(1, 2).contiguous().transpose(1, 2)[:, 1:],
+        "examples overlapping": full[:1, 1:].expand(3, -1, -1),
+    }
+    for name, tokens in layouts.items():
+        assert not tokens.is_contiguous()
+        got = native.iterate_on_cpu(tokens, w, start, 5)
+        want = native.iterate_on_cpu(tokens.contiguous(), w, start, 5)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), name
+    # One example at an offset into its storage.
+    one = native.iterate_on_cpu(full[1:2, 1:], w[1:2], start[1:2], 5)
+    every = native.iterate_on_cpu(full[:, 1:].contiguous(), w, start, 5)
+    for a, b in zip(one, every, strict=True):
+        assert torch.equal(a, b[1:2])

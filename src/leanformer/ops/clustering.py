@@ -264,12 +264,11 @@ def _weights(x: Tensor, weights: Tensor | None, dtype: torch.dtype) -> Tensor:
     return weights.detach().to(dtype)
 
 
-def _kernel_inputs(x: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """What the C++ clusterings take: the tokens widened as :func:`centred` widens them,
-    their mean per example (which the kernels subtract, as :func:`centred` does), and the
-    weights in the tokens' type."""
+def _kernel_inputs(x: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+    """What the C++ clusterings take: the tokens widened as :func:`centred` widens them
+    (the kernels centre them themselves), and the weights in the tokens' type."""
     tokens = x.detach().to(torch.promote_types(x.dtype, torch.float32))
-    return tokens, tokens.mean(dim=1), _weights(x, weights, tokens.dtype)
+    return tokens, _weights(x, weights, tokens.dtype)
 
 
 def _first_argmin(values: Tensor, assign: Tensor, k: int) -> Tensor:

@@ -46,13 +46,7 @@ struct Example {
 template <typename T>
 LEANFORMER_CPU_VARIANTS bool assign_nearest(const Example<T>& e, std::vector<T>& dist, std::vector<T>& centre_sq) {
   const int64_t n = e.n, k = e.k, c = e.c;
-  for (int64_t j = 0; j < k; ++j) {
-    const T* cj = e.centres + j * c;
-    T sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t d = 0; d < c; ++d) sum += cj[d] * cj[d];
-    centre_sq[j] = sum;
-  }
+  for (int64_t j = 0; j < k; ++j) centre_sq[j] = leanformer_tokens::dot(e.centres + j * c, e.centres + j * c, c);
   for (int64_t i = 0; i < n; ++i) std::copy(centre_sq.begin(), centre_sq.end(), dist.begin() + i * k);
   // Row-major dist [N x K] += -2 x centres^T, as column-major dist^T.
   leanformer_blas::gemm('T', 'N', static_cast<int>(k), static_cast<int>(n), static_cast<int>(c), T(-2), e.centres,
@@ -126,17 +120,17 @@ Fault run_example(const Example<T>& e, const int64_t* seeds, int64_t max_iters) 
 }
 
 template <typename T>
-Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w, const at::Tensor& seeds,
+Fault run_batch(const leanformer_tokens::TokenRows& x, const at::Tensor& w, const at::Tensor& seeds,
                 at::Tensor& centres, at::Tensor& assign, int64_t max_iters) {
-  const int64_t batch = x.size(0), n = x.size(1), c = x.size(2), k = seeds.size(1);
-  const T* xp = x.data_ptr<T>();
-  const T* mean_p = mean.data_ptr<T>();
+  const int64_t batch = x.tensor.size(0), n = x.tensor.size(1), c = x.tensor.size(2), k = seeds.size(1);
+  const T* xp = x.tensor.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   const int64_t* sp = seeds.data_ptr<int64_t>();
   T* cp = centres.data_ptr<T>();
   int64_t* ap = assign.data_ptr<int64_t>();
   std::atomic<int> fault{static_cast<int>(Fault::none)};
-  leanformer_tokens::for_each_centred_example(xp, mean_p, batch, n, c, [&](int64_t b, const T* centred, const T* sq) {
+  leanformer_tokens::for_each_centred_example(xp, x.batch_stride, batch, n, c, [&](int64_t b, const T* centred,
+                                                                                     const T* sq, const T* mean) {
     const Example<T> e{centred, sq, wp + b * n, cp + b * k * c, ap + b * n, n, k, c};
     const Fault found = run_example(e, sp + b * k, max_iters);
     if (found != Fault::none) {
@@ -146,7 +140,7 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w
     // Back from centred coordinates to the tokens' own.
     T* centres_b = cp + b * k * c;
     for (int64_t j = 0; j < k; ++j) {
-      for (int64_t d = 0; d < c; ++d) centres_b[j * c + d] += mean_p[b * c + d];
+      for (int64_t d = 0; d < c; ++d) centres_b[j * c + d] += mean[d];
     }
   });
   return static_cast<Fault>(fault.load());
@@ -154,21 +148,19 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w
 
 }  // namespace
 
-// x [B, N, C] tokens, mean [B, C] their mean per example, weights [B, N] (one floating
-// type), seeds [B, K] int64 distinct seed tokens (K < N). Returns (assign [B, N],
+// x [B, N, C] tokens, weights [B, N] (one floating type), seeds [B, K] int64 distinct seed tokens (K < N). Returns (assign [B, N],
 // centres [B, K, C] in the tokens' coordinates); the inputs are not modified.
-std::tuple<at::Tensor, at::Tensor> kmeans_iterate(const at::Tensor& x_in, const at::Tensor& mean_in,
-                                                  const at::Tensor& weights, const at::Tensor& seeds,
-                                                  int64_t max_iters) {
-  const auto [batch, n, c, k] =
-      leanformer_tokens::check_clustering_inputs(x_in, mean_in, weights, seeds, "seeds");
-  const at::Tensor x = x_in.contiguous(), mean = mean_in.contiguous(), w = weights.contiguous();
+std::tuple<at::Tensor, at::Tensor> kmeans_iterate(const at::Tensor& x_in, const at::Tensor& weights,
+                                                  const at::Tensor& seeds, int64_t max_iters) {
+  const auto [batch, n, c, k] = leanformer_tokens::check_clustering_inputs(x_in, weights, seeds, "seeds");
+  const leanformer_tokens::TokenRows x = leanformer_tokens::token_rows(x_in);
+  const at::Tensor w = weights.contiguous();
   const at::Tensor s = seeds.contiguous();
-  at::Tensor centres = at::empty({batch, k, c}, x.options());
+  at::Tensor centres = at::empty({batch, k, c}, x_in.options());
   at::Tensor assign = at::empty({batch, n}, seeds.options());
   Fault fault = Fault::none;
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "kmeans_iterate", [&] {
-    fault = run_batch<scalar_t>(x, mean, w, s, centres, assign, max_iters);
+  AT_DISPATCH_FLOATING_TYPES(x_in.scalar_type(), "kmeans_iterate", [&] {
+    fault = run_batch<scalar_t>(x, w, s, centres, assign, max_iters);
   });
   TORCH_CHECK_VALUE(fault != Fault::bad_seeds, "K-Means: the seeds must be K distinct tokens");
   TORCH_CHECK_VALUE(fault != Fault::not_finite, "K-Means needs finite tokens and weights (got NaN)");

@@ -42,16 +42,16 @@ def applies() -> bool:
     return not counting()
 
 
-def iterate_on_cpu(
-    x: Tensor, mean: Tensor, weights: Tensor, seeds: Tensor, max_iters: int
-) -> tuple[Tensor, Tensor]:
+def iterate_on_cpu(x: Tensor, weights: Tensor, seeds: Tensor, max_iters: int) -> tuple[Tensor, Tensor]:
     """Up to ``max_iters`` centre updates from the tokens ``seeds [B, K]`` ->
     ``(assign [B, N], centres [B, K, C])``.
 
-    ``x [B, N, C]`` CPU tokens, ``mean [B, C]`` their mean per example (the kernel centres
-    on it, as :func:`leanformer.ops.token_distances.centred` does), ``weights [B, N]``
-    (one floating type, float32 or wider). The centres are in the tokens' coordinates.
+    ``x [B, N, C]`` CPU tokens (each example's rows contiguous, as in ``x[:, 1:]``; other
+    layouts are copied) and ``weights [B, N]``, one floating type, float32 or wider. The
+    kernel centres each example on its mean token, as
+    :func:`leanformer.ops.token_distances.centred` does; the centres are in the tokens'
+    coordinates.
     """
     if _kernel is None:
         raise RuntimeError("leanformer was installed without its C++ K-Means kernel")
-    return _kernel.kmeans_iterate(x, mean, weights, seeds, max_iters)
+    return _kernel.kmeans_iterate(x, weights, seeds, max_iters)

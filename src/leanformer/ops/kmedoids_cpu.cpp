@@ -35,13 +35,7 @@
 
 namespace {
 
-template <typename T>
-T dot(const T* a, const T* b, int64_t n) {
-  T sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t c = 0; c < n; ++c) sum += a[c] * b[c];
-  return sum;
-}
+using leanformer_tokens::dot;
 
 // Squared distance between medoid token a and token b, at least 0, summed in the order
 // of the caller's product (leanformer.ops.token_distances.pairwise_sq_dists):
@@ -253,12 +247,10 @@ Fault run_example(const Example<T>& e, int64_t max_iters) {
 }
 
 template <typename T>
-Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w, at::Tensor& dist,
-               at::Tensor& medoids, at::Tensor& others, at::Tensor& assign, at::Tensor& work,
-               int64_t max_iters) {
-  const int64_t batch = x.size(0), n = x.size(1), c = x.size(2), k = medoids.size(1), m = n - k;
-  const T* xp = x.data_ptr<T>();
-  const T* mean_p = mean.data_ptr<T>();
+Fault run_batch(const leanformer_tokens::TokenRows& x, const at::Tensor& w, at::Tensor& dist, at::Tensor& medoids,
+                at::Tensor& others, at::Tensor& assign, at::Tensor& work, int64_t max_iters) {
+  const int64_t batch = x.tensor.size(0), n = x.tensor.size(1), c = x.tensor.size(2), k = medoids.size(1), m = n - k;
+  const T* xp = x.tensor.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* dp = dist.data_ptr<T>();
   int64_t* mp = medoids.data_ptr<int64_t>();
@@ -266,7 +258,8 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w
   int64_t* ap = assign.data_ptr<int64_t>();
   int64_t* wk = work.data_ptr<int64_t>();
   std::atomic<int> fault{static_cast<int>(Fault::none)};
-  leanformer_tokens::for_each_centred_example(xp, mean_p, batch, n, c, [&](int64_t b, const T* centred, const T* sq) {
+  leanformer_tokens::for_each_centred_example(xp, x.batch_stride, batch, n, c, [&](int64_t b, const T* centred,
+                                                                                     const T* sq, const T*) {
     const Example<T> e{centred, sq, wp + b * n, dp + b * k * m, mp + b * k, op + b * m, ap + b * n, wk + b, n, k, m, c};
     const Fault found = run_example(e, max_iters);
     if (found != Fault::none) fault.store(static_cast<int>(found));
@@ -276,24 +269,22 @@ Fault run_batch(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& w
 
 }  // namespace
 
-// x [B, N, C] tokens, mean [B, C] their mean per example, weights [B, N] (one floating
-// type), medoids [B, K] int64 distinct initial medoids (K < N). Returns (assign [B, N],
+// x [B, N, C] tokens, weights [B, N] (one floating type), medoids [B, K] int64 distinct initial medoids (K < N). Returns (assign [B, N],
 // medoids [B, K], work [B]: how many distances each example computed); the inputs are
 // not modified.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor& x_in, const at::Tensor& mean_in,
-                                                    const at::Tensor& weights, const at::Tensor& medoids,
-                                                    int64_t max_iters) {
-  const auto [batch, n, c, k] =
-      leanformer_tokens::check_clustering_inputs(x_in, mean_in, weights, medoids, "medoids");
-  const at::Tensor x = x_in.contiguous(), mean = mean_in.contiguous(), w = weights.contiguous();
-  at::Tensor table = at::empty({batch, k, n - k}, x.options());
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor& x_in, const at::Tensor& weights,
+                                                                const at::Tensor& medoids, int64_t max_iters) {
+  const auto [batch, n, c, k] = leanformer_tokens::check_clustering_inputs(x_in, weights, medoids, "medoids");
+  const leanformer_tokens::TokenRows x = leanformer_tokens::token_rows(x_in);
+  const at::Tensor w = weights.contiguous();
+  at::Tensor table = at::empty({batch, k, n - k}, x_in.options());
   at::Tensor new_medoids = medoids.clone(at::MemoryFormat::Contiguous);
   at::Tensor others = at::empty({batch, n - k}, medoids.options());
   at::Tensor assign = at::empty({batch, n}, medoids.options());
   at::Tensor work = at::zeros({batch}, medoids.options());
   Fault fault = Fault::none;
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "kmedoids_iterate", [&] {
-    fault = run_batch<scalar_t>(x, mean, w, table, new_medoids, others, assign, work, max_iters);
+  AT_DISPATCH_FLOATING_TYPES(x_in.scalar_type(), "kmedoids_iterate", [&] {
+    fault = run_batch<scalar_t>(x, w, table, new_medoids, others, assign, work, max_iters);
   });
   TORCH_CHECK_VALUE(fault != Fault::not_a_partition, "K-Medoids: the initial medoids must be K distinct tokens");
   TORCH_CHECK_VALUE(fault != Fault::not_finite, "K-Medoids needs finite tokens and weights (got NaN)");

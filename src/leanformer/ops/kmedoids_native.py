@@ -54,20 +54,19 @@ def warn_once_without_kernel() -> None:
         )
 
 
-def iterate_on_cpu(
-    x: Tensor, mean: Tensor, weights: Tensor, medoids: Tensor, max_iters: int
-) -> tuple[Tensor, Tensor]:
+def iterate_on_cpu(x: Tensor, weights: Tensor, medoids: Tensor, max_iters: int) -> tuple[Tensor, Tensor]:
     """Up to ``max_iters`` medoid updates from ``medoids [B, K]`` -> ``(assign [B, N], medoids [B, K])``.
 
-    ``x [B, N, C]`` CPU tokens, ``mean [B, C]`` their mean per example, ``weights [B, N]``
-    (one floating type, float32 or wider). The kernel centres each example's tokens on
-    ``mean`` (as :func:`leanformer.ops.token_distances.centred` does) and makes the initial
-    medoids' table (:mod:`leanformer.ops.medoid_distances` says what it holds) with one
-    BLAS product. Needs :func:`kernel_available`.
+    ``x [B, N, C]`` CPU tokens (each example's rows contiguous, as in ``x[:, 1:]``; other
+    layouts are copied) and ``weights [B, N]``, one floating type, float32 or wider. The
+    kernel centres each example on its mean token (as
+    :func:`leanformer.ops.token_distances.centred` does) and makes the initial medoids'
+    table (:mod:`leanformer.ops.medoid_distances` says what it holds) with one BLAS
+    product. Needs :func:`kernel_available`.
     """
     if _kernel is None:
         raise RuntimeError("leanformer was installed without its C++ K-Medoids kernel")
-    assign, medoids, work = _kernel.kmedoids_iterate(x, mean, weights, medoids, max_iters)
+    assign, medoids, work = _kernel.kmedoids_iterate(x, weights, medoids, max_iters)
     if counting():
         # The distances computed (the initial table, then those of moved medoids), which
         # the batched plan computes with matrix products that a FLOP counter sees.
