@@ -47,7 +47,7 @@ def without_kernel(monkeypatch: pytest.MonkeyPatch, native: ModuleType) -> Itera
     """As in a package built without a C++ compiler, minus the one-time warning."""
     with monkeypatch.context() as m:
         m.setattr(native, "_kernel", None)
-        m.setattr(native, "_warned", True)
+        m.setattr(native._missing, "warned", True)
         yield
 
 

@@ -175,7 +175,7 @@ def test_without_the_kernel_attention_warns_once_and_still_computes(monkeypatch)
     with torch.no_grad():
         want = _kernel(q, k, v, None)
     monkeypatch.setattr(attention_native, "_kernel", None)
-    monkeypatch.setattr(attention_native, "_warned", False)
+    monkeypatch.setattr(attention_native._missing, "warned", False)
     with torch.no_grad():
         with pytest.warns(MissingKernelWarning, match="without its C\\+\\+ attention kernel"):
             first = _kernel(q, k, v, None)

@@ -91,7 +91,7 @@ def eager_clustering(request, monkeypatch) -> str:
     for native in (kmedoids_native, kmeans_native):
         if request.param == "batched":
             monkeypatch.setattr(native, "_kernel", None)
-            monkeypatch.setattr(native, "_warned", True)
+            monkeypatch.setattr(native._missing, "warned", True)
         else:
             assert native.kernel_available(), "the package was built without its C++ kernels"
     return request.param
@@ -457,7 +457,7 @@ def test_kmeans_cluster_emptied_mid_run_keeps_its_centre_on_every_path(monkeypat
     init = torch.tensor([[0, 5, 2, 6]])
     with monkeypatch.context() as m:  # the batched code, whose steps can be watched
         m.setattr(kmeans_native, "_kernel", None)
-        m.setattr(kmeans_native, "_warned", True)
+        m.setattr(kmeans_native._missing, "warned", True)
         kmeans_plan(x, 4, init=init, max_iters=10)
     assert any(emptied) and not all(emptied)
     for iters in range(1, 11):  # stopped at every iteration, the emptied one included

@@ -97,9 +97,10 @@ def test_without_the_kernel_plans_warn_once_and_still_plan(monkeypatch) -> None:
     x, w = clustered(2, 20, 4, seed=0, dtype=torch.float32)
     want = kmeans_plan(x, 5, weights=w)
     monkeypatch.setattr(kmeans_native, "_kernel", None)
-    monkeypatch.setattr(kmeans_native, "_warned", False)
-    with pytest.warns(MissingKernelWarning, match="without its C\\+\\+ K-Means kernel"):
+    monkeypatch.setattr(kmeans_native._missing, "warned", False)
+    with pytest.warns(MissingKernelWarning, match="without its C\\+\\+ K-Means kernel") as record:
         first = kmeans_plan(x, 5, weights=w)
+    assert record[0].filename == __file__  # it points at the caller of kmeans_plan
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         second = kmeans_plan(x, 5, weights=w)

@@ -21,9 +21,11 @@ def _batched(monkeypatch: pytest.MonkeyPatch, *args, **kwargs):
 def test_without_the_kernel_plans_warn_once_and_still_plan(monkeypatch) -> None:
     x, w = clustered(2, 20, 4, seed=0, dtype=torch.float32)
     monkeypatch.setattr(kmedoids_native, "_kernel", None)
-    monkeypatch.setattr(kmedoids_native, "_warned", False)
-    with pytest.warns(kmedoids_native.MissingKernelWarning, match="without its C\\+\\+ K-Medoids kernel"):
+    monkeypatch.setattr(kmedoids_native._missing, "warned", False)
+    missing = "without its C\\+\\+ K-Medoids kernel"
+    with pytest.warns(kmedoids_native.MissingKernelWarning, match=missing) as record:
         first = kmedoids_plan(x, 5, weights=w)
+    assert record[0].filename == __file__  # it points at the caller of kmedoids_plan
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         second = kmedoids_plan(x, 5, weights=w)

@@ -14,10 +14,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from leanformer.ops.native import counting, load, warn_missing
+from leanformer.ops.native import MissingKernelNotice, counting, load
 
 _kernel = load("_attention_received_cpu")
-_warned = False
+_missing = MissingKernelNotice(
+    "attention kernel (leanformer.ops._attention_received_cpu), so attention with received "
+    "scores runs its PyTorch blocks on the CPU: the same results, slower",
+)
 
 # Queries per task: the task's logits (rows x keys) stay within about 256 KiB, in the
 # core's cache through the softmax and the second product (at 785 keys, 64 to 128 rows
@@ -45,21 +48,9 @@ def applies(
     if min(k.shape[-2], q.shape[-1]) == 0 or not q.device == k.device == v.device:
         return False  # no keys or no features: the tensor blocks' empty products
     if _kernel is None:
-        _warn_once()
+        _missing.warn_once(stacklevel=4)  # past applies, blocked_attention_received and attention
         return False
     return True
-
-
-def _warn_once() -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warn_missing(
-            "leanformer was installed without its C++ attention kernel "
-            "(leanformer.ops._attention_received_cpu), so attention with received scores runs "
-            "its PyTorch blocks on the CPU: the same results, slower.",
-            stacklevel=5,  # past applies, blocked_attention_received and attention
-        )
 
 
 def _blas_rows(t: Tensor) -> Tensor:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from leanformer.ops.native import counting, load, warn_missing
+from leanformer.ops.native import MissingKernelNotice, counting, load
 
 _kernel = load("_kmeans_cpu")
-_warned = False
+_missing = MissingKernelNotice(
+    "K-Means kernel (leanformer.ops._kmeans_cpu), so K-Means runs its batched PyTorch code "
+    "on the CPU: the same plans, slower",
+)
 
 
 def kernel_available() -> bool:
@@ -28,16 +31,8 @@ def kernel_available() -> bool:
 def applies() -> bool:
     """Whether eager CPU K-Means may run the kernel: built, and no FLOP counter watching.
     Says once per process when the package was built without it."""
-    global _warned
     if _kernel is None:
-        if not _warned:
-            _warned = True
-            warn_missing(
-                "leanformer was installed without its C++ K-Means kernel "
-                "(leanformer.ops._kmeans_cpu), so K-Means runs its batched PyTorch code on the "
-                "CPU: the same plans, slower.",
-                stacklevel=5,  # past applies, kmeans_plan and its no_grad wrapper
-            )
+        _missing.warn_once(stacklevel=4)  # past applies, kmeans_plan and its no_grad wrapper
         return False
     return not counting()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from leanformer.ops.native import MissingKernelWarning, counting, load, warn_missing
+from leanformer.ops.native import MissingKernelNotice, MissingKernelWarning, counting, load
 
 __all__ = ["MissingKernelWarning", "iterate_on_cpu", "kernel_available", "warn_once_without_kernel"]
 
@@ -33,7 +33,10 @@ def distance_work(xc: Tensor, distances: int) -> None:
     the kernel computed where the counter cannot see them."""
 
 
-_warned = False
+_missing = MissingKernelNotice(
+    "K-Medoids kernel (leanformer.ops._kmedoids_cpu), so K-Medoids runs its batched PyTorch "
+    "code on the CPU: the same plans, slower",
+)
 
 
 def kernel_available() -> bool:
@@ -43,15 +46,8 @@ def kernel_available() -> bool:
 
 def warn_once_without_kernel() -> None:
     """Say once per process that eager CPU K-Medoids runs the slower batched code."""
-    global _warned
-    if _kernel is None and not _warned:
-        _warned = True
-        warn_missing(
-            "leanformer was installed without its C++ K-Medoids kernel "
-            "(leanformer.ops._kmedoids_cpu), so K-Medoids runs its batched PyTorch code on "
-            "the CPU: the same plans, slower.",
-            stacklevel=4,  # past kmedoids_plan and its no_grad wrapper
-        )
+    if _kernel is None:
+        _missing.warn_once(stacklevel=4)  # past this function, kmedoids_plan and its no_grad wrapper
 
 
 def iterate_on_cpu(x: Tensor, weights: Tensor, medoids: Tensor, max_iters: int) -> tuple[Tensor, Tensor]:

@@ -2,7 +2,7 @@
 
 They are built when the package is installed (``setup.py``); without a C++ compiler the
 package installs without them, and the code that would call a kernel runs its PyTorch
-version instead: the same results, slower.
+version instead: the same results, slower, after one :class:`MissingKernelWarning`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,20 @@ def counting() -> bool:
     return bool(torch._C._len_torch_dispatch_stack())
 
 
-def warn_missing(message: str, stacklevel: int) -> None:
-    """Warn that a kernel is missing (the caller keeps track of "once")."""
-    warnings.warn(f"{message} {REINSTALL}", MissingKernelWarning, stacklevel=stacklevel + 1)
+class MissingKernelNotice:
+    """Says once per process that a kernel was not built, and which slower PyTorch code
+    runs instead (``message``: "<kernel> (<module>), so <what runs instead>")."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.warned = False
+
+    def warn_once(self, stacklevel: int) -> None:
+        """Warn, the first time only; ``stacklevel`` counts from the caller."""
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"leanformer was installed without its C++ {self.message}. {REINSTALL}",
+                MissingKernelWarning,
+                stacklevel=stacklevel + 1,
+            )
