@@ -1,8 +1,9 @@
 """Builds the optional C++ kernels; everything else is in pyproject.toml.
 
-Three kernels for eager CPU runs, each from ``src/leanformer/ops/<name>.cpp``:
+Four kernels for eager CPU runs, each from ``src/leanformer/ops/<name>.cpp``:
 ``leanformer.ops._kmedoids_cpu`` and ``_kmeans_cpu`` run K-Medoids and K-Means iterations,
-``_attention_received_cpu`` attention with received scores. They
+``_attention_received_cpu`` attention with received scores, ``_segment_sum_cpu`` the
+weighted sums that pool tokens. They
 need torch at build time, so they are built without build isolation (``pip install
 --no-build-isolation -e .``, as the Makefile does). Where they cannot be built (no torch,
 no C++ compiler), the package installs without them and runs its PyTorch code instead.
@@ -29,7 +30,7 @@ else:
             depends=["src/leanformer/ops/cpu_kernel.h"],
             optional=True,
         )
-        for name in ("kmedoids_cpu", "kmeans_cpu", "attention_received_cpu")
+        for name in ("kmedoids_cpu", "kmeans_cpu", "attention_received_cpu", "segment_sum_cpu")
     ]
     cmdclass = {"build_ext": BuildExtension.with_options(no_python_abi_suffix=False)}
 

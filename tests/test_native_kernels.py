@@ -17,6 +17,7 @@ from native_kernels import clustered
         ("attention_native", "_attention_received_cpu"),
         ("kmedoids_native", "_kmedoids_cpu"),
         ("kmeans_native", "_kmeans_cpu"),
+        ("segment_sum_native", "_segment_sum_cpu"),
     ],
 )
 def test_the_package_was_built_with_the_kernel(wrapper: str, extension: str) -> None:

@@ -1,11 +1,27 @@
-"""segment_sum against a per-example loop, with empty segments, dtypes and gradients."""
+"""segment_sum against a per-example loop, with empty segments, dtypes and gradients;
+every test with and without the C++ sums that eager CPU inference takes."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 
+from leanformer.ops import segment_sum_native
 from leanformer.ops.segment_sum import flat_rows, marked_first, row_table, segment_sum
+from native_kernels import without_kernel
+
+
+@pytest.fixture(autouse=True, params=["kernel", "embedding_bag"])
+def eager_sums(request, monkeypatch) -> Iterator[None]:
+    """Every test runs twice: with the C++ sums (where they apply) and without them."""
+    if request.param == "embedding_bag":
+        with without_kernel(monkeypatch, segment_sum_native):
+            yield
+    else:
+        assert segment_sum_native.kernel_available(), "the package was built without its C++ kernels"
+        yield
 
 
 def _ref(values: torch.Tensor, segment: torch.Tensor, s: int, weights: torch.Tensor | None) -> torch.Tensor:
