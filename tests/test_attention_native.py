@@ -170,6 +170,34 @@ def test_autograd_dropout_and_flop_counting_take_the_blocks(monkeypatch) -> None
     assert counter.get_total_flops() == 2 * (2 * 2 * 10 * 10 * 8)  # both products seen
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")  # forward AD's import
+def test_forward_tangents_take_the_blocks_and_negated_views_are_read_as_values() -> None:
+    """The kernel reads values only: a forward-mode tangent must not be dropped in silence
+    (the blocks take it, and say that their softmax has no forward AD), and a view stored
+    negated (the imaginary part of a conjugate) must be read as the values it shows."""
+    import torch.autograd.forward_ad as forward_ad
+
+    q, k, v = _qkv(2, 2, 9, 11, 8, seed=8, dtype=torch.float64)
+    mask = _masks(2, 2, 9, 11, torch.float64)["sizes"]
+    with torch.no_grad():
+        want = _plain(q, k, v, mask)
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(q, torch.randn_like(q))
+            assert not attention_native.applies(dual, k, v, mask, 0.0, needs_graph=False)
+            with pytest.raises(NotImplementedError, match="forward AD"):
+                _kernel(dual, k, v, mask)
+
+    def stored_negated(t: torch.Tensor) -> torch.Tensor:
+        view = torch.complex(torch.zeros_like(t), -t).conj().imag
+        assert view.is_neg() and torch.equal(view, t)
+        return view
+
+    with torch.no_grad():
+        got = _kernel(stored_negated(q), stored_negated(k), stored_negated(v), stored_negated(mask))
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+
+
 def test_without_the_kernel_attention_warns_once_and_still_computes(monkeypatch) -> None:
     q, k, v = _qkv(1, 2, 10, 10, 8, seed=6, dtype=torch.float32)
     with torch.no_grad():

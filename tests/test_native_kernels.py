@@ -81,6 +81,13 @@ def test_clustering_kernels_read_any_token_layout_as_its_contiguous_copy(wrapper
         want = native.iterate_on_cpu(tokens.contiguous(), w, start, 5)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b), name
+    # Stored negated (the imaginary part of a conjugate): read as its values.
+    negated = torch.complex(torch.zeros_like(full), full).conj().imag[:, 1:]
+    assert negated.is_neg()
+    got = native.iterate_on_cpu(negated, w, start, 5)
+    want = native.iterate_on_cpu(torch.neg(full[:, 1:]).contiguous(), w, start, 5)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b), "negated view"
     # One example at an offset into its storage.
     one = native.iterate_on_cpu(full[1:2, 1:], w[1:2], start[1:2], 5)
     every = native.iterate_on_cpu(full[:, 1:].contiguous(), w, start, 5)

@@ -1,5 +1,5 @@
 """segment_sum against a per-example loop, with empty segments, dtypes and gradients;
-every test with and without the C++ sums that eager CPU inference takes."""
+the sums without gradient with and without the C++ kernel that eager CPU inference takes."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from leanformer.ops.segment_sum import flat_rows, marked_first, row_table, segme
 from native_kernels import without_kernel
 
 
-@pytest.fixture(autouse=True, params=["kernel", "embedding_bag"])
+@pytest.fixture(params=["kernel", "embedding_bag"])
 def eager_sums(request, monkeypatch) -> Iterator[None]:
-    """Every test runs twice: with the C++ sums (where they apply) and without them."""
+    """A test that uses it runs twice: with the C++ sums (where they apply) and without them."""
     if request.param == "embedding_bag":
         with without_kernel(monkeypatch, segment_sum_native):
             yield
@@ -36,7 +36,7 @@ def _ref(values: torch.Tensor, segment: torch.Tensor, s: int, weights: torch.Ten
 
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_matches_loop_reference_with_empty_segments(weighted: bool, dtype: torch.dtype) -> None:
+def test_matches_loop_reference_with_empty_segments(weighted: bool, dtype: torch.dtype, eager_sums) -> None:
     g = torch.Generator().manual_seed(0)
     B, N, D, S = 3, 11, 5, 7
     values = torch.randn(B, N, D, generator=g, dtype=dtype)
@@ -49,11 +49,22 @@ def test_matches_loop_reference_with_empty_segments(weighted: bool, dtype: torch
     assert torch.equal(out[:, S - 2 :], torch.zeros(B, 2, D, dtype=dtype))
 
 
-def test_non_contiguous_values() -> None:
+def test_non_contiguous_values(eager_sums) -> None:
     g = torch.Generator().manual_seed(1)
     values = torch.randn(2, 6, 8, generator=g)[:, :, ::2]
     segment = torch.randint(0, 3, (2, 6), generator=g)
     torch.testing.assert_close(segment_sum(values, segment, 3), _ref(values, segment, 3, None))
+
+
+@pytest.mark.parametrize(("b", "n", "d"), [(0, 4, 3), (2, 0, 3), (2, 4, 0), (3, 1, 5), (3, 6, 1)])
+def test_empty_and_single_row_or_channel_shapes(b: int, n: int, d: int, eager_sums) -> None:
+    g = torch.Generator().manual_seed(4)
+    values = torch.randn(b, n, d, generator=g)
+    segment = torch.randint(0, 3, (b, n), generator=g)
+    weights = torch.rand(b, n, generator=g)
+    out = segment_sum(values, segment, 3, weights)
+    assert out.shape == (b, 3, d)
+    torch.testing.assert_close(out, _ref(values, segment, 3, weights))
 
 
 def test_gradcheck_values_and_weights() -> None:

@@ -54,6 +54,30 @@ def test_the_kernel_is_for_inference_only() -> None:
     assert not segment_sum_native.applies(values.detach().to("meta"), segment, None)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")  # forward AD's import
+def test_what_a_kernel_cannot_see_takes_embedding_bag() -> None:
+    """A forward-mode tangent is not dropped in silence (embedding_bag takes it, and says
+    it has no forward AD); the imaginary part of a conjugate, whose values are stored
+    negated, is read as its values."""
+    import torch.autograd.forward_ad as forward_ad
+
+    g = torch.Generator().manual_seed(6)
+    values = torch.randn(2, 7, 4, generator=g)
+    segment = torch.randint(0, 3, (2, 7), generator=g)
+    weights = torch.rand(2, 7, generator=g)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(values, torch.randn_like(values))
+        assert not segment_sum_native.applies(dual, segment, weights)
+        with pytest.raises(NotImplementedError, match="forward AD"):
+            segment_sum(dual, segment, 3, weights)
+    negated = torch.complex(torch.zeros_like(values), values).conj().imag
+    negated_weights = torch.complex(torch.zeros_like(weights), weights).conj().imag
+    assert negated.is_neg() and negated_weights.is_neg()
+    with torch.inference_mode():
+        got = segment_sum(negated, segment, 3, negated_weights)
+    torch.testing.assert_close(got, segment_sum(-values, segment, 3, -weights))
+
+
 def test_the_kernel_refuses_bad_inputs_clearly() -> None:
     values, segment, weights = torch.randn(2, 5, 3), torch.randint(0, 2, (2, 5)), torch.rand(2, 5)
     for bad in (-1, 2):

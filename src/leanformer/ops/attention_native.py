@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from leanformer.ops.native import MissingKernelNotice, counting, load
+from leanformer.ops.native import MissingKernelNotice, counting, load, transformed
 
 _kernel = load("_attention_received_cpu")
 _missing = MissingKernelNotice(
@@ -43,6 +43,8 @@ def applies(
         return False
     if q.dtype not in (torch.float32, torch.float64) or not q.dtype == k.dtype == v.dtype or counting():
         return False
+    if transformed(q, k, v, mask):  # forward tangents or torch.func wrappers: the blocks keep them
+        return False
     if v.shape[-1] != q.shape[-1] or (mask is not None and mask.device.type != "cpu"):
         return False
     if min(k.shape[-2], q.shape[-1]) == 0 or not q.device == k.device == v.device:
@@ -54,7 +56,10 @@ def applies(
 
 
 def _blas_rows(t: Tensor) -> Tensor:
-    """``t`` itself when a BLAS product can step through its rows, else a contiguous copy."""
+    """``t`` itself when a BLAS product can step through its rows, else a contiguous copy
+    (or the values of a lazily negated view)."""
+    if t.is_neg():
+        return t.resolve_neg()
     if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1]:
         return t
     # clone, not contiguous(): with one row, contiguous() keeps any stride of that row.
@@ -76,4 +81,5 @@ def attention_received(
         if mask.stride(-1) not in (0, 1):
             mask = mask.contiguous()
     rows = min(num_queries, max(16, _TASK_LOGITS // max(num_keys, 1)))
+    mask = None if mask is None else mask.resolve_neg()  # the kernel reads stored values
     return _kernel.attention_received(_blas_rows(q), _blas_rows(k), _blas_rows(v), mask, scale, rows)

@@ -142,9 +142,12 @@ struct TokenRows {
 
 inline TokenRows token_rows(const at::Tensor& x) {
   const int64_t batch = x.size(0), n = x.size(1), c = x.size(2);
-  // A size-1 dimension's stride is never used, whatever it holds.
-  if ((c == 1 || x.stride(2) == 1) && (n == 1 || x.stride(1) == c)) return {x, batch == 1 ? 0 : x.stride(0)};
-  at::Tensor copy = x.contiguous();
+  // A size-1 dimension's stride is never used, whatever it holds. A lazily negated view
+  // (the imaginary part of a conjugate) stores its values negated: it is copied.
+  if (!x.is_neg() && (c == 1 || x.stride(2) == 1) && (n == 1 || x.stride(1) == c)) {
+    return {x, batch == 1 ? 0 : x.stride(0)};
+  }
+  at::Tensor copy = x.resolve_neg().contiguous();
   return {copy, n * c};
 }
 

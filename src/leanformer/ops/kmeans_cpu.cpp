@@ -154,7 +154,7 @@ std::tuple<at::Tensor, at::Tensor> kmeans_iterate(const at::Tensor& x_in, const 
                                                   const at::Tensor& seeds, int64_t max_iters) {
   const auto [batch, n, c, k] = leanformer_tokens::check_clustering_inputs(x_in, weights, seeds, "seeds");
   const leanformer_tokens::TokenRows x = leanformer_tokens::token_rows(x_in);
-  const at::Tensor w = weights.contiguous();
+  const at::Tensor w = weights.resolve_neg().contiguous();
   const at::Tensor s = seeds.contiguous();
   at::Tensor centres = at::empty({batch, k, c}, x_in.options());
   at::Tensor assign = at::empty({batch, n}, seeds.options());

@@ -276,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor
                                                                 const at::Tensor& medoids, int64_t max_iters) {
   const auto [batch, n, c, k] = leanformer_tokens::check_clustering_inputs(x_in, weights, medoids, "medoids");
   const leanformer_tokens::TokenRows x = leanformer_tokens::token_rows(x_in);
-  const at::Tensor w = weights.contiguous();
+  const at::Tensor w = weights.resolve_neg().contiguous();
   at::Tensor table = at::empty({batch, k, n - k}, x_in.options());
   at::Tensor new_medoids = medoids.clone(at::MemoryFormat::Contiguous);
   at::Tensor others = at::empty({batch, n - k}, medoids.options());

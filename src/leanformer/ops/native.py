@@ -12,6 +12,8 @@ import warnings
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
+from torch import Tensor
 
 REINSTALL = "Reinstall where a C++ compiler is available: pip install --no-build-isolation -e ."
 
@@ -26,6 +28,20 @@ def load(module: str) -> Any:
         return importlib.import_module(f"leanformer.ops.{module}")
     except ImportError:
         return None
+
+
+def transformed(*tensors: Tensor | None) -> bool:
+    """Whether any tensor carries more than its values: a forward-mode tangent, or a
+    ``torch.func`` wrapper (vmap, grad). A kernel reads the values only, so such a tensor
+    takes the PyTorch path, which propagates the rest."""
+    for t in tensors:
+        if t is None:
+            continue
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return True
+        if forward_ad.unpack_dual(t).tangent is not None:
+            return True
+    return False
 
 
 def counting() -> bool:

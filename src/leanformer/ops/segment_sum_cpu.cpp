@@ -4,8 +4,8 @@
 // The PyTorch version (leanformer/ops/segment_sum.py) sorts the rows by segment and sums
 // them with embedding_bag, which keeps it differentiable, in about a dozen tensor
 // operations whose fixed cost dominates at the sizes small models meet. For inference
-// this is one pass over each example's rows in row order: the same sums in the same
-// order.
+// this is one call, each example's rows summed segment by segment in row order: the
+// same sums in the same order.
 
 #include <torch/extension.h>
 
@@ -14,25 +14,40 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include "cpu_kernel.h"
 
 namespace {
 
 // One example: out [S, C] = sum over the rows i of each segment of w_i x_i, in row
-// order. False when a segment id is outside [0, S).
+// order. The rows are listed by segment first (a stable counting sort), so each output
+// row is summed while it sits in L1 and written once, as embedding_bag does; adding
+// every input row into its output row in turn measured 7-10% slower on tokens out of
+// cache. False when a segment id is outside [0, S).
 template <typename T>
 LEANFORMER_CPU_VARIANTS bool sum_segments(const T* x, const T* w, const int64_t* segment, int64_t n, int64_t c,
-                                          int64_t segments, T* out) {
-  std::fill(out, out + segments * c, T(0));
+                                          int64_t segments, T* out, std::vector<int64_t>& start,
+                                          std::vector<int64_t>& order) {
+  std::fill(start.begin(), start.end(), int64_t(0));
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = segment[i];
     if (s < 0 || s >= segments) return false;
-    const T wi = w[i];
-    const T* xi = x + i * c;
+    ++start[s + 1];
+  }
+  for (int64_t s = 0; s < segments; ++s) start[s + 1] += start[s];
+  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  for (int64_t i = 0; i < n; ++i) order[next[segment[i]]++] = i;
+  for (int64_t s = 0; s < segments; ++s) {
     T* os = out + s * c;
+    std::fill(os, os + c, T(0));
+    for (int64_t r = start[s]; r < start[s + 1]; ++r) {
+      const int64_t i = order[r];
+      const T wi = w[i];
+      const T* xi = x + i * c;
 #pragma omp simd
-    for (int64_t d = 0; d < c; ++d) os[d] += wi * xi[d];
+      for (int64_t d = 0; d < c; ++d) os[d] += wi * xi[d];
+    }
   }
   return true;
 }
@@ -53,7 +68,7 @@ at::Tensor segment_sum(const at::Tensor& x_in, const at::Tensor& segment, int64_
   TORCH_CHECK(segment.scalar_type() == at::kLong, "segments must be int64");
   TORCH_CHECK(weights.scalar_type() == x_in.scalar_type(), "rows and weights must share one floating type");
   const leanformer_tokens::TokenRows x = leanformer_tokens::token_rows(x_in);
-  const at::Tensor w = weights.contiguous(), s = segment.contiguous();
+  const at::Tensor w = weights.resolve_neg().contiguous(), s = segment.contiguous();
   at::Tensor out = at::empty({batch, segments, c}, x_in.options());
   std::atomic<bool> in_range{true};
   AT_DISPATCH_FLOATING_TYPES(x_in.scalar_type(), "segment_sum", [&] {
@@ -62,8 +77,10 @@ at::Tensor segment_sum(const at::Tensor& x_in, const at::Tensor& segment, int64_
     const int64_t* sp = s.data_ptr<int64_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      std::vector<int64_t> start(segments + 1), order(n);
       for (int64_t b = begin; b < end; ++b) {
-        if (!sum_segments(xp + b * x.batch_stride, wp + b * n, sp + b * n, n, c, segments, op + b * segments * c)) {
+        if (!sum_segments(xp + b * x.batch_stride, wp + b * n, sp + b * n, n, c, segments, op + b * segments * c,
+                          start, order)) {
           in_range.store(false);
         }
       }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from leanformer.ops.native import MissingKernelNotice, counting, load
+from leanformer.ops.native import MissingKernelNotice, counting, load, transformed
 
 _kernel = load("_segment_sum_cpu")
 _missing = MissingKernelNotice(
@@ -28,8 +28,9 @@ def kernel_available() -> bool:
 
 def applies(values: Tensor, segment: Tensor, weights: Tensor | None) -> bool:
     """Whether :func:`segment_sum_on_cpu` may stand in for the ``embedding_bag`` sums:
-    eager CPU inference in float32 or float64 (nothing that needs a gradient), int64
-    segment ids, no dispatch mode (a FLOP counter) watching."""
+    eager CPU inference in float32 or float64 (nothing that needs a gradient, no forward
+    tangent, no ``torch.func`` transform), int64 segment ids, no dispatch mode (a FLOP
+    counter) watching."""
     # Compiling is checked first and alone: the rest need not be traced.
     if torch.compiler.is_compiling() or values.device.type != "cpu" or segment.device.type != "cpu":
         return False
@@ -40,7 +41,7 @@ def applies(values: Tensor, segment: Tensor, weights: Tensor | None) -> bool:
             return False
     if needs_graph or values.dtype not in (torch.float32, torch.float64) or segment.dtype != torch.long:
         return False
-    if counting():
+    if counting() or transformed(values, weights):
         return False
     if _kernel is None:
         _missing.warn_once(stacklevel=3)  # past applies and segment_sum
