@@ -33,7 +33,7 @@ def load(module: str) -> Any:
 def transformed(*tensors: Tensor | None) -> bool:
     """Whether any tensor carries more than its values: a forward-mode tangent, or a
     ``torch.func`` wrapper (vmap, grad). A kernel reads the values only, so such a tensor
-    takes the PyTorch path, which propagates the rest."""
+    takes the PyTorch path, which carries the rest or says that it cannot."""
     for t in tensors:
         if t is None:
             continue
