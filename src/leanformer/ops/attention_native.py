@@ -58,8 +58,7 @@ def applies(
 def _blas_rows(t: Tensor) -> Tensor:
     """``t`` itself when a BLAS product can step through its rows, else a contiguous copy
     (or the values of a lazily negated view)."""
-    if t.is_neg():
-        return t.resolve_neg()
+    t = t.resolve_neg()  # itself unless stored negated
     if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1]:
         return t
     # clone, not contiguous(): with one row, contiguous() keeps any stride of that row.
