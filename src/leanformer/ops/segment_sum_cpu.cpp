@@ -28,7 +28,7 @@ namespace {
 template <typename T>
 LEANFORMER_CPU_VARIANTS bool sum_segments(const T* x, const T* w, const int64_t* segment, int64_t n, int64_t c,
                                           int64_t segments, T* out, std::vector<int64_t>& start,
-                                          std::vector<int64_t>& order) {
+                                          std::vector<int64_t>& next, std::vector<int64_t>& order) {
   std::fill(start.begin(), start.end(), int64_t(0));
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = segment[i];
@@ -36,7 +36,7 @@ LEANFORMER_CPU_VARIANTS bool sum_segments(const T* x, const T* w, const int64_t*
     ++start[s + 1];
   }
   for (int64_t s = 0; s < segments; ++s) start[s + 1] += start[s];
-  std::vector<int64_t> next(start.begin(), start.end() - 1);
+  std::copy(start.begin(), start.end() - 1, next.begin());
   for (int64_t i = 0; i < n; ++i) order[next[segment[i]]++] = i;
   for (int64_t s = 0; s < segments; ++s) {
     T* os = out + s * c;
@@ -77,10 +77,10 @@ at::Tensor segment_sum(const at::Tensor& x_in, const at::Tensor& segment, int64_
     const int64_t* sp = s.data_ptr<int64_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-      std::vector<int64_t> start(segments + 1), order(n);
+      std::vector<int64_t> start(segments + 1), next(segments), order(n);
       for (int64_t b = begin; b < end; ++b) {
         if (!sum_segments(xp + b * x.batch_stride, wp + b * n, sp + b * n, n, c, segments, op + b * segments * c,
-                          start, order)) {
+                          start, next, order)) {
           in_range.store(false);
         }
       }
