@@ -67,3 +67,23 @@ def starting_tokens(start: str, k: int, num_tokens: int, batch: int) -> torch.Te
         return None
     gen = torch.Generator().manual_seed(k)
     return init_centers(None, k, num_tokens=num_tokens, batch=batch, mode="random", generator=gen)
+
+
+def three_starts_at_one_point(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens ``[3, 40, 8]`` where token 1 has 20 copies (tokens 20-39), ones as weights,
+    and 10 starting tokens with three copies of that point at positions 2, 6 and 9 (20,
+    21, 1). The BLAS product that makes their distances need not round them alike (in
+    float64 on an AVX2 CPU it did not): every other copy must go to position 2, and the
+    later two positions hold their own token only."""
+    x, _ = clustered(3, 40, 8, seed=810, dtype=dtype)
+    x[:, 20:] = x[:, 1:2]
+    rest = [t for t in range(40) if t not in (1, 20, 21)][:7]
+    start = torch.tensor([*rest[:2], 20, *rest[2:5], 21, *rest[5:], 1]).expand(3, 10)
+    return x, torch.ones(3, 40, dtype=dtype), start.contiguous()
+
+
+def assert_ties_go_to_the_first_copy(assign: torch.Tensor) -> None:
+    """The check of :func:`three_starts_at_one_point` on the first assignment."""
+    assert bool((assign[:, 22:] == 2).all())
+    for later in (6, 9):
+        assert bool(((assign == later).sum(1) == 1).all())

@@ -10,7 +10,16 @@ import torch
 from leanformer.ops import kmeans_native
 from leanformer.ops.clustering import init_centers, kmeans_plan
 from leanformer.ops.native import MissingKernelWarning
-from native_kernels import PLAN_SHAPES, clustered, on_threads, plan_variants, starting_tokens, without_kernel
+from native_kernels import (
+    PLAN_SHAPES,
+    assert_ties_go_to_the_first_copy,
+    clustered,
+    on_threads,
+    plan_variants,
+    starting_tokens,
+    three_starts_at_one_point,
+    without_kernel,
+)
 
 
 def _batched(monkeypatch: pytest.MonkeyPatch, *args, **kwargs):
@@ -60,6 +69,13 @@ def test_clusters_that_lose_their_weight_keep_their_centres(monkeypatch) -> None
     _assert_same_plan(kernel, batched, torch.float64)
     counts = torch.zeros(3, 9).scatter_add_(1, kernel.assign, torch.ones(3, 30))
     assert (counts == 0).any() or (w == 0).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_centres_at_one_point_tie_to_the_first(dtype: torch.dtype) -> None:
+    x, w, seeds = three_starts_at_one_point(dtype)
+    assign, _ = kmeans_native.iterate_on_cpu(x, w, seeds, 0)
+    assert_ties_go_to_the_first_copy(assign)
 
 
 def test_threads_do_not_change_the_plan() -> None:

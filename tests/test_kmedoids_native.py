@@ -10,7 +10,16 @@ import torch
 from leanformer.ops import kmedoids_native
 from leanformer.ops.clustering import init_centers, kmedoids_plan
 from leanformer.ops.token_distances import centred
-from native_kernels import PLAN_SHAPES, clustered, on_threads, plan_variants, starting_tokens, without_kernel
+from native_kernels import (
+    PLAN_SHAPES,
+    assert_ties_go_to_the_first_copy,
+    clustered,
+    on_threads,
+    plan_variants,
+    starting_tokens,
+    three_starts_at_one_point,
+    without_kernel,
+)
 
 
 def _batched(monkeypatch: pytest.MonkeyPatch, *args, **kwargs):
@@ -67,6 +76,13 @@ def test_identical_medoids_keep_identical_distance_rows(monkeypatch) -> None:
         batched = _batched(monkeypatch, x, k, weights=w, init=init, max_iters=10)
         assert torch.equal(kernel.assign, batched.assign)
         assert torch.equal(kernel.medoids, batched.medoids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_initial_medoids_at_one_point_tie_from_the_first_assignment(dtype: torch.dtype) -> None:
+    x, w, medoids = three_starts_at_one_point(dtype)
+    assign, _ = kmedoids_native.iterate_on_cpu(x, w, medoids, 0)
+    assert_ties_go_to_the_first_copy(assign)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

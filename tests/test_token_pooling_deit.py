@@ -253,7 +253,7 @@ def test_deit_small_gflops_match_the_paper(monkeypatch: pytest.MonkeyPatch) -> N
         return real(x, y, **kw)  # type: ignore[arg-type]
 
     shapes: list[tuple[int, int, int]] = []
-    real_plan = token_pooling.kmedoids_plan
+    real_plan = token_pooling.kmedoids_pooled
 
     def recording_plan(tokens: torch.Tensor, k: int, **kw: object) -> object:
         shapes.append((tokens.shape[1], k, tokens.shape[2]))
@@ -268,7 +268,7 @@ def test_deit_small_gflops_match_the_paper(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(kmedoids_native, "distance_work", recording_work)
     monkeypatch.setattr(token_distances, "pairwise_sq_dists", recording)
     monkeypatch.setattr(medoid_distances, "pairwise_sq_dists", recording)
-    monkeypatch.setattr(token_pooling, "kmedoids_plan", recording_plan)
+    monkeypatch.setattr(token_pooling, "kmedoids_pooled", recording_plan)
     clustering = gflops(pool="wkmedoids", keep="deit_s_level3") - powerbert
     assert clustering == pytest.approx(sum(n * m * c for n, m, c in products) / 1e9, rel=1e-6)
     all_pairs = sum(n * n * c for n, _, c in shapes) / 1e9

@@ -48,7 +48,7 @@ from leanformer.ops.clustering import (
     cluster_sizes,
     init_centers,
     kmeans_plan,
-    kmedoids_plan,
+    kmedoids_pooled,
     weighted_segment_mean,
 )
 from leanformer.ops.merging import bipartite_merge_plan, check_round_fraction
@@ -191,15 +191,11 @@ class ClusterPooling(_Seeded, _Reducer):
                 device=tokens.device,
                 **(self._randomness(tokens.device) if self.init == "random" else {}),
             )
-        plan_fn = kmedoids_plan if self.algorithm == "kmedoids" else kmeans_plan
-        plan = plan_fn(
-            tokens,
-            k,
-            weights=weights,
-            init=start,
-            max_iters=self.max_iters,
-        )
-        out = cluster_mean(tokens, plan, weights)
+        if self.algorithm == "kmedoids":
+            plan, out = kmedoids_pooled(tokens, k, weights=weights, init=start, max_iters=self.max_iters)
+        else:
+            plan = kmeans_plan(tokens, k, weights=weights, init=start, max_iters=self.max_iters)
+            out = cluster_mean(tokens, plan, weights)
         out_sizes = None if sizes is None else cluster_sizes(sizes, plan, batch=B, num_tokens=N)
         return out, out_sizes, plan.assign
 

@@ -45,8 +45,14 @@ from torch import Tensor
 
 from leanformer.ops import kmeans_native
 from leanformer.ops.hashed_noise import uniform_noise
-from leanformer.ops.kmedoids_native import iterate_on_cpu, kernel_available, warn_once_without_kernel
+from leanformer.ops.kmedoids_native import (
+    iterate_and_pool_on_cpu,
+    iterate_on_cpu,
+    kernel_available,
+    warn_once_without_kernel,
+)
 from leanformer.ops.medoid_distances import MedoidDistances, medoid_distances, nearest_medoids
+from leanformer.ops.native import eager_cpu_inference
 from leanformer.ops.segment_sum import flat_rows, segment_sum
 from leanformer.ops.token_distances import centred, pairwise_sq_dists, token_sq_dists
 from leanformer.ops.token_selection import gather_tokens
@@ -245,6 +251,25 @@ _plan_as_op("kmedoids_plan", medoids=True)
 _plan_as_op("kmeans_plan", medoids=False)
 
 
+@torch.library.custom_op("leanformer::kmedoids_pooled", mutates_args=())
+def _kmedoids_pooled_op(
+    x: Tensor, k: int, weights: Tensor | None, init: Tensor | None, max_iters: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`kmedoids_pooled` as one opaque call, run eagerly (without a gradient)."""
+    plan, pooled = kmedoids_pooled(x, k, weights=weights, init=init, max_iters=max_iters)
+    assert plan.medoids is not None
+    return _fresh(plan.assign), _fresh(plan.medoids), _fresh(pooled)
+
+
+@_kmedoids_pooled_op.register_fake
+def _(
+    x: Tensor, k: int, weights: Tensor | None, init: Tensor | None, max_iters: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    B, N, C = x.shape
+    k = min(k, N)
+    return x.new_empty(B, N, dtype=torch.int64), x.new_empty(B, k, dtype=torch.int64), x.new_empty(B, k, C)
+
+
 def _identity_plan(x: Tensor, *, medoids: bool) -> ClusterPlan:
     """Every token alone in its own cluster, in token order (what ``K >= N`` asks for)."""
     B, N, _ = x.shape
@@ -418,6 +443,39 @@ def kmedoids_plan(
     assign = nearest_medoids(_medoid_table(xc, sq_norms, medoids, every_pair), medoids, N)
     medoids, assign = _repeat_while_changing(iteration, (medoids, assign), max_iters)
     return ClusterPlan(assign=assign, medoids=medoids, centers=None)
+
+
+def kmedoids_pooled(
+    x: Tensor,
+    k: int,
+    *,
+    weights: Tensor | None = None,
+    init: Tensor | None = None,
+    max_iters: int = 5,
+) -> tuple[ClusterPlan, Tensor]:
+    """:func:`kmedoids_plan` and the pooled tokens ``cluster_mean(x, plan, weights)``
+    ``[B, K, C]``, the same values either way.
+
+    Where nothing needs a gradient and the tokens are float32 or float64, the C++ kernel
+    makes both in one pass over each example, eager on the CPU, and one opaque call does
+    so compiled for the CPU (for as many tokens as :func:`_opaque_when_compiled` sends
+    to the eager plan). Otherwise the plan is applied by :func:`cluster_mean`, which is
+    differentiable.
+    """
+    _check(x, k, weights)
+    B, N, _ = x.shape
+    w_grad = weights is not None and weights.requires_grad
+    needs_graph = torch.is_grad_enabled() and (x.requires_grad or w_grad)
+    if k < N and not needs_graph and x.dtype in (torch.float32, torch.float64):
+        if _opaque_when_compiled(x):
+            assign, medoids, pooled = torch.ops.leanformer.kmedoids_pooled(x, k, weights, init, max_iters)
+            return ClusterPlan(assign=assign, medoids=medoids, centers=None), pooled
+        if kernel_available() and eager_cpu_inference(x, weights, init):
+            medoids = _default_init(init, weights, k, N, B, x.device)
+            assign, medoids, pooled = iterate_and_pool_on_cpu(*_kernel_inputs(x, weights), medoids, max_iters)
+            return ClusterPlan(assign=assign, medoids=medoids, centers=None), pooled
+    plan = kmedoids_plan(x, k, weights=weights, init=init, max_iters=max_iters)
+    return plan, cluster_mean(x, plan, weights)
 
 
 def weighted_segment_mean(x: Tensor, w: Tensor, assign: Tensor, k: int) -> tuple[Tensor, Tensor]:

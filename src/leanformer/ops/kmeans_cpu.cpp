@@ -43,14 +43,32 @@ struct Example {
 };
 
 // Every token's nearest centre, the first on ties -> assign; whether it changed.
+// Buffers for finding equal centres: centre j is row centre_index[j] = j of the centres.
+struct EqualCentres {
+  std::vector<int64_t> centre_index, by_norm, first_equal;
+  explicit EqualCentres(int64_t k) : centre_index(k), by_norm(k), first_equal(k) {
+    for (int64_t j = 0; j < k; ++j) centre_index[j] = j;
+  }
+};
+
 template <typename T>
-LEANFORMER_CPU_VARIANTS bool assign_nearest(const Example<T>& e, std::vector<T>& dist, std::vector<T>& centre_sq) {
+LEANFORMER_CPU_VARIANTS bool assign_nearest(const Example<T>& e, std::vector<T>& dist, std::vector<T>& centre_sq,
+                                            EqualCentres& equal) {
   const int64_t n = e.n, k = e.k, c = e.c;
   for (int64_t j = 0; j < k; ++j) centre_sq[j] = leanformer_tokens::dot(e.centres + j * c, e.centres + j * c, c);
   for (int64_t i = 0; i < n; ++i) std::copy(centre_sq.begin(), centre_sq.end(), dist.begin() + i * k);
   // Row-major dist [N x K] += -2 x centres^T, as column-major dist^T.
   leanformer_blas::gemm('T', 'N', static_cast<int>(k), static_cast<int>(n), static_cast<int>(c), T(-2), e.centres,
                         static_cast<int>(c), e.x, static_cast<int>(c), T(1), dist.data(), static_cast<int>(k));
+  // Equal centres tie, the first winning, only if their distances are equal: each takes
+  // the first one's.
+  leanformer_tokens::first_equal_rows(e.centres, centre_sq.data(), equal.centre_index.data(), k, c, equal.by_norm,
+                                      equal.first_equal);
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t t = equal.first_equal[j];
+    if (t == j) continue;
+    for (int64_t i = 0; i < n; ++i) dist[i * k + j] = dist[i * k + t];
+  }
   bool changed = false;
   for (int64_t i = 0; i < n; ++i) {
     const T* row = dist.data() + i * k;
@@ -109,12 +127,13 @@ Fault run_example(const Example<T>& e, const int64_t* seeds, int64_t max_iters) 
     if (std::isnan(e.sq[i]) || std::isnan(e.w[i])) return Fault::not_finite;
   }
   std::vector<T> dist(n * k), centre_sq(k), sums(k * c), total(k);
+  EqualCentres equal(k);
   std::fill(e.assign, e.assign + n, int64_t(-1));
-  assign_nearest(e, dist, centre_sq);
+  assign_nearest(e, dist, centre_sq, equal);
   for (int64_t j = 0; j < k; ++j) e.assign[seeds[j]] = j;
   for (int64_t it = 0; it < max_iters; ++it) {
     update_centres(e, sums, total);
-    if (!assign_nearest(e, dist, centre_sq)) break;  // a fixed point: later iterations give it again
+    if (!assign_nearest(e, dist, centre_sq, equal)) break;  // a fixed point: later iterations give it again
   }
   return Fault::none;
 }

@@ -100,7 +100,7 @@ template <typename T>
 LEANFORMER_CPU_VARIANTS void medoids_from_means(const Example<T>& e, std::vector<T>& means, std::vector<T>& total,
                         std::vector<int64_t>& members, std::vector<T>& best_score,
                         std::vector<int64_t>& new_medoids) {
-  const int64_t n = e.n, k = e.k, c = e.c;
+  const int64_t n = e.n, c = e.c;
   std::fill(total.begin(), total.end(), T(0));
   std::fill(members.begin(), members.end(), 0);
   for (int64_t i = 0; i < n; ++i) {
@@ -210,6 +210,16 @@ Fault run_example(const Example<T>& e, int64_t max_iters) {
     std::vector<T> medoid_rows(e.k * e.c), other_rows(e.m * e.c);
     initial_table(e, medoid_rows, other_rows);
   }
+  {
+    // Medoids at one point tie, the first in medoid order winning, only if their rows
+    // are equal: each takes the first one's.
+    std::vector<int64_t> by_norm(e.k), first_equal(e.k);
+    leanformer_tokens::first_equal_rows(e.x, e.sq, e.medoids, e.k, e.c, by_norm, first_equal);
+    for (int64_t j = 0; j < e.k; ++j) {
+      const int64_t t = first_equal[j];
+      if (t != j) std::copy(e.dist + t * e.m, e.dist + (t + 1) * e.m, e.dist + j * e.m);
+    }
+  }
   assign_nearest(e, best, nearest);
   for (int64_t it = 0; it < max_iters; ++it) {
     medoids_from_means(e, means, total, members, best_score, new_medoids);
@@ -248,7 +258,7 @@ Fault run_example(const Example<T>& e, int64_t max_iters) {
 
 template <typename T>
 Fault run_batch(const leanformer_tokens::TokenRows& x, const at::Tensor& w, at::Tensor& dist, at::Tensor& medoids,
-                at::Tensor& others, at::Tensor& assign, at::Tensor& work, int64_t max_iters) {
+                at::Tensor& others, at::Tensor& assign, at::Tensor& work, at::Tensor& pooled, int64_t max_iters) {
   const int64_t batch = x.tensor.size(0), n = x.tensor.size(1), c = x.tensor.size(2), k = medoids.size(1), m = n - k;
   const T* xp = x.tensor.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
@@ -257,23 +267,35 @@ Fault run_batch(const leanformer_tokens::TokenRows& x, const at::Tensor& w, at::
   int64_t* op = others.data_ptr<int64_t>();
   int64_t* ap = assign.data_ptr<int64_t>();
   int64_t* wk = work.data_ptr<int64_t>();
+  T* pp = pooled.numel() > 0 ? pooled.data_ptr<T>() : nullptr;
   std::atomic<int> fault{static_cast<int>(Fault::none)};
   leanformer_tokens::for_each_centred_example(xp, x.batch_stride, batch, n, c, [&](int64_t b, const T* centred,
                                                                                      const T* sq, const T*) {
     const Example<T> e{centred, sq, wp + b * n, dp + b * k * m, mp + b * k, op + b * m, ap + b * n, wk + b, n, k, m, c};
     const Fault found = run_example(e, max_iters);
-    if (found != Fault::none) fault.store(static_cast<int>(found));
+    if (found != Fault::none) {
+      fault.store(static_cast<int>(found));
+    } else if (pp != nullptr) {
+      // The example's tokens are still in this core's cache: pool them now rather than
+      // in another pass over the batch.
+      leanformer_tokens::PoolBuffers<T> buffers(n, k);
+      leanformer_tokens::pool_clusters(xp + b * x.batch_stride, e.w, e.assign, n, c, k, pp + b * k * c, buffers);
+    }
   });
   return static_cast<Fault>(fault.load());
 }
 
 }  // namespace
 
-// x [B, N, C] tokens, weights [B, N] (one floating type), medoids [B, K] int64 distinct initial medoids (K < N). Returns (assign [B, N],
-// medoids [B, K], work [B]: how many distances each example computed); the inputs are
-// not modified.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor& x_in, const at::Tensor& weights,
-                                                                const at::Tensor& medoids, int64_t max_iters) {
+// x [B, N, C] tokens, weights [B, N] (one floating type), medoids [B, K] int64 distinct
+// initial medoids (K < N). Returns (assign [B, N], medoids [B, K], work [B]: how many
+// distances each example computed, pooled): with `pool`, pooled [B, K, C] holds every
+// cluster's weighted mean of the tokens (leanformer_tokens::pool_clusters), else it is
+// empty. The inputs are not modified.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor& x_in,
+                                                                            const at::Tensor& weights,
+                                                                            const at::Tensor& medoids,
+                                                                            int64_t max_iters, bool pool) {
   const auto [batch, n, c, k] = leanformer_tokens::check_clustering_inputs(x_in, weights, medoids, "medoids");
   const leanformer_tokens::TokenRows x = leanformer_tokens::token_rows(x_in);
   const at::Tensor w = weights.resolve_neg().contiguous();
@@ -282,17 +304,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(const at::Tensor
   at::Tensor others = at::empty({batch, n - k}, medoids.options());
   at::Tensor assign = at::empty({batch, n}, medoids.options());
   at::Tensor work = at::zeros({batch}, medoids.options());
+  at::Tensor pooled = at::empty({pool ? batch : 0, k, c}, x_in.options());
   Fault fault = Fault::none;
   AT_DISPATCH_FLOATING_TYPES(x_in.scalar_type(), "kmedoids_iterate", [&] {
-    fault = run_batch<scalar_t>(x, w, table, new_medoids, others, assign, work, max_iters);
+    fault = run_batch<scalar_t>(x, w, table, new_medoids, others, assign, work, pooled, max_iters);
   });
   TORCH_CHECK_VALUE(fault != Fault::not_a_partition, "K-Medoids: the initial medoids must be K distinct tokens");
   TORCH_CHECK_VALUE(fault != Fault::not_finite, "K-Medoids needs finite tokens and weights (got NaN)");
-  return {assign, new_medoids, work};
+  return {assign, new_medoids, work, pooled};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The loops touch no Python object: other Python threads (data loaders) may run meanwhile.
   m.def("kmedoids_iterate", &kmedoids_iterate, "Weighted K-Medoids iterations, one example per task",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+        pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("medoids"), pybind11::arg("max_iters"),
+        pybind11::arg("pool") = false, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -21,7 +21,13 @@ from torch import Tensor
 
 from leanformer.ops.native import MissingKernelNotice, MissingKernelWarning, counting, load
 
-__all__ = ["MissingKernelWarning", "iterate_on_cpu", "kernel_available", "warn_once_without_kernel"]
+__all__ = [
+    "MissingKernelWarning",
+    "iterate_and_pool_on_cpu",
+    "iterate_on_cpu",
+    "kernel_available",
+    "warn_once_without_kernel",
+]
 
 _kernel = load("_kmedoids_cpu")
 
@@ -60,11 +66,28 @@ def iterate_on_cpu(x: Tensor, weights: Tensor, medoids: Tensor, max_iters: int) 
     table (:mod:`leanformer.ops.medoid_distances` says what it holds) with one BLAS
     product. Needs :func:`kernel_available`.
     """
+    assign, medoids, _ = _iterate(x, weights, medoids, max_iters, pool=False)
+    return assign, medoids
+
+
+def iterate_and_pool_on_cpu(
+    x: Tensor, weights: Tensor, medoids: Tensor, max_iters: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`iterate_on_cpu`, and the pooled tokens ``[B, K, C]``: every cluster's mean
+    of ``x`` weighted by ``weights``, bit for bit what
+    :func:`leanformer.ops.clustering.cluster_mean` makes of the plan (without a
+    gradient), summed while each example's tokens are still in the core's cache."""
+    return _iterate(x, weights, medoids, max_iters, pool=True)
+
+
+def _iterate(
+    x: Tensor, weights: Tensor, medoids: Tensor, max_iters: int, *, pool: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     if _kernel is None:
         raise RuntimeError("leanformer was installed without its C++ K-Medoids kernel")
-    assign, medoids, work = _kernel.kmedoids_iterate(x, weights, medoids, max_iters)
+    assign, medoids, work, pooled = _kernel.kmedoids_iterate(x, weights, medoids, max_iters, pool)
     if counting():
         # The distances computed (the initial table, then those of moved medoids), which
         # the batched plan computes with matrix products that a FLOP counter sees.
         distance_work(x, int(work.sum()))
-    return assign, medoids
+    return assign, medoids, pooled

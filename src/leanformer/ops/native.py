@@ -44,6 +44,22 @@ def transformed(*tensors: Tensor | None) -> bool:
     return False
 
 
+def eager_cpu_inference(*tensors: Tensor | None) -> bool:
+    """Whether a kernel may stand in for the PyTorch code on ``tensors``: eager (not
+    traced by ``torch.compile``), all on the CPU, none that needs a gradient, no forward
+    tangent or ``torch.func`` transform (:func:`transformed`), and no FLOP counter
+    watching (:func:`counting`)."""
+    # Compiling is checked first and alone: the rest need not be traced.
+    if torch.compiler.is_compiling():
+        return False
+    given = [t for t in tensors if t is not None]
+    if any(t.device.type != "cpu" for t in given):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in given):
+        return False
+    return not counting() and not transformed(*given)
+
+
 def counting() -> bool:
     """Whether a dispatch mode (a FLOP counter) is watching the operations: the kernels'
     arithmetic is invisible to it, so callers then take, or report, the visible path."""

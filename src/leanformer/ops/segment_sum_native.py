@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from leanformer.ops.native import MissingKernelNotice, counting, load, transformed
+from leanformer.ops.native import MissingKernelNotice, eager_cpu_inference, load
 
 _kernel = load("_segment_sum_cpu")
 _missing = MissingKernelNotice(
@@ -31,17 +31,9 @@ def applies(values: Tensor, segment: Tensor, weights: Tensor | None) -> bool:
     eager CPU inference in float32 or float64 (nothing that needs a gradient, no forward
     tangent, no ``torch.func`` transform), int64 segment ids, no dispatch mode (a FLOP
     counter) watching."""
-    # Compiling is checked first and alone: the rest need not be traced.
-    if torch.compiler.is_compiling() or values.device.type != "cpu" or segment.device.type != "cpu":
+    if not eager_cpu_inference(values, segment, weights):
         return False
-    needs_graph = torch.is_grad_enabled() and values.requires_grad
-    if weights is not None:
-        needs_graph = needs_graph or (torch.is_grad_enabled() and weights.requires_grad)
-        if weights.device.type != "cpu":
-            return False
-    if needs_graph or values.dtype not in (torch.float32, torch.float64) or segment.dtype != torch.long:
-        return False
-    if counting() or transformed(values, weights):
+    if values.dtype not in (torch.float32, torch.float64) or segment.dtype != torch.long:
         return False
     if _kernel is None:
         _missing.warn_once(stacklevel=3)  # past applies and segment_sum
