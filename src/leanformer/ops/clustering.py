@@ -258,7 +258,9 @@ def _kmedoids_pooled_op(
     """:func:`kmedoids_pooled` as one opaque call, run eagerly (without a gradient)."""
     plan, pooled = kmedoids_pooled(x, k, weights=weights, init=init, max_iters=max_iters)
     assert plan.medoids is not None
-    return _fresh(plan.assign), _fresh(plan.medoids), _fresh(pooled)
+    # The pooled tokens are a new contiguous tensor whichever way they were made (a copy
+    # would cost a pass over them).
+    return _fresh(plan.assign), _fresh(plan.medoids), pooled
 
 
 @_kmedoids_pooled_op.register_fake

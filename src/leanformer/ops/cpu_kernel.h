@@ -176,21 +176,23 @@ inline TokenRows token_rows(const at::Tensor& x) {
   return {copy, n * c};
 }
 
-// work(b, centred, sq, mean) for every example b of the tokens (rows contiguous, examples
-// `batch_stride` elements apart), centred on its mean (with the squared norms), examples
-// in parallel: each task's BLAS products on its own thread. A single task (batch 1) runs
-// outside any parallel region, and its products may use every thread. A task's buffers
-// are reused by its examples, so they stay in the core's cache through the work.
-template <typename T, typename Work>
+// work(b, centred, sq, mean, task) for every example b of the tokens (rows contiguous,
+// examples `batch_stride` elements apart), centred on its mean (with the squared norms),
+// examples in parallel: each task's BLAS products on its own thread, and its buffers
+// (`task`, from make_task(), and the centred tokens) made once and reused by its
+// examples, so they stay in the core's cache through the work. A single task (batch 1)
+// runs outside any parallel region, and its products may use every thread.
+template <typename T, typename MakeTask, typename Work>
 void for_each_centred_example(const T* x, int64_t batch_stride, int64_t batch, int64_t n, int64_t c,
-                              const Work& work) {
+                              const MakeTask& make_task, const Work& work) {
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     std::optional<leanformer_blas::SingleThreadedBlas> one_blas_thread;
     if (at::in_parallel_region()) one_blas_thread.emplace();
     std::vector<T> centred(n * c), sq(n), mean(c);
+    auto task = make_task();
     for (int64_t b = begin; b < end; ++b) {
       centre(x + b * batch_stride, n, c, mean.data(), centred.data(), sq.data());
-      work(b, centred.data(), sq.data(), mean.data());
+      work(b, centred.data(), sq.data(), mean.data(), task);
     }
   });
 }

@@ -113,27 +113,34 @@ LEANFORMER_CPU_VARIANTS void update_centres(const Example<T>& e, std::vector<T>&
 
 enum class Fault : int { none = 0, bad_seeds, not_finite };
 
+// A task's buffers, reused by its examples (allocated, and zeroed, once per task).
 template <typename T>
-Fault run_example(const Example<T>& e, const int64_t* seeds, int64_t max_iters) {
+struct Workspace {
+  std::vector<char> seen;
+  std::vector<T> dist, centre_sq, sums, total;
+  EqualCentres equal;
+  Workspace(int64_t n, int64_t k, int64_t c) : seen(n), dist(n * k), centre_sq(k), sums(k * c), total(k), equal(k) {}
+};
+
+template <typename T>
+Fault run_example(const Example<T>& e, const int64_t* seeds, int64_t max_iters, Workspace<T>& ws) {
   const int64_t n = e.n, k = e.k, c = e.c;
-  std::vector<char> seen(n);
+  std::fill(ws.seen.begin(), ws.seen.end(), 0);
   for (int64_t j = 0; j < k; ++j) {
     const int64_t t = seeds[j];
-    if (t < 0 || t >= n || seen[t]) return Fault::bad_seeds;
-    seen[t] = 1;
+    if (t < 0 || t >= n || ws.seen[t]) return Fault::bad_seeds;
+    ws.seen[t] = 1;
     std::copy(e.x + t * c, e.x + (t + 1) * c, e.centres + j * c);
   }
   for (int64_t i = 0; i < n; ++i) {
     if (std::isnan(e.sq[i]) || std::isnan(e.w[i])) return Fault::not_finite;
   }
-  std::vector<T> dist(n * k), centre_sq(k), sums(k * c), total(k);
-  EqualCentres equal(k);
   std::fill(e.assign, e.assign + n, int64_t(-1));
-  assign_nearest(e, dist, centre_sq, equal);
+  assign_nearest(e, ws.dist, ws.centre_sq, ws.equal);
   for (int64_t j = 0; j < k; ++j) e.assign[seeds[j]] = j;
   for (int64_t it = 0; it < max_iters; ++it) {
-    update_centres(e, sums, total);
-    if (!assign_nearest(e, dist, centre_sq, equal)) break;  // a fixed point: later iterations give it again
+    update_centres(e, ws.sums, ws.total);
+    if (!assign_nearest(e, ws.dist, ws.centre_sq, ws.equal)) break;  // a fixed point: later iterations give it again
   }
   return Fault::none;
 }
@@ -148,20 +155,21 @@ Fault run_batch(const leanformer_tokens::TokenRows& x, const at::Tensor& w, cons
   T* cp = centres.data_ptr<T>();
   int64_t* ap = assign.data_ptr<int64_t>();
   std::atomic<int> fault{static_cast<int>(Fault::none)};
-  leanformer_tokens::for_each_centred_example(xp, x.batch_stride, batch, n, c, [&](int64_t b, const T* centred,
-                                                                                     const T* sq, const T* mean) {
-    const Example<T> e{centred, sq, wp + b * n, cp + b * k * c, ap + b * n, n, k, c};
-    const Fault found = run_example(e, sp + b * k, max_iters);
-    if (found != Fault::none) {
-      fault.store(static_cast<int>(found));
-      return;
-    }
-    // Back from centred coordinates to the tokens' own.
-    T* centres_b = cp + b * k * c;
-    for (int64_t j = 0; j < k; ++j) {
-      for (int64_t d = 0; d < c; ++d) centres_b[j * c + d] += mean[d];
-    }
-  });
+  leanformer_tokens::for_each_centred_example(
+      xp, x.batch_stride, batch, n, c, [&] { return Workspace<T>(n, k, c); },
+      [&](int64_t b, const T* centred, const T* sq, const T* mean, Workspace<T>& ws) {
+        const Example<T> e{centred, sq, wp + b * n, cp + b * k * c, ap + b * n, n, k, c};
+        const Fault found = run_example(e, sp + b * k, max_iters, ws);
+        if (found != Fault::none) {
+          fault.store(static_cast<int>(found));
+          return;
+        }
+        // Back from centred coordinates to the tokens' own.
+        T* centres_b = cp + b * k * c;
+        for (int64_t j = 0; j < k; ++j) {
+          for (int64_t d = 0; d < c; ++d) centres_b[j * c + d] += mean[d];
+        }
+      });
   return static_cast<Fault>(fault.load());
 }
 

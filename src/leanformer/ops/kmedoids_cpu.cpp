@@ -18,6 +18,10 @@
 // leanformer/ops/medoid_distances.py makes it, and kept current here: when medoid j
 // moves from token o to token t, t's column goes to o, and row j and that column are
 // recomputed.
+//
+// On request the example's clusters are then pooled (their weighted means, as
+// leanformer.ops.clustering.cluster_mean makes them) while its tokens are still in the
+// core's cache, which saves a later pass over the whole batch.
 
 #include <torch/extension.h>
 
@@ -63,16 +67,20 @@ struct Example {
 enum class Fault : int { none = 0, not_a_partition, not_finite };
 
 template <typename T>
-LEANFORMER_CPU_VARIANTS void assign_nearest(const Example<T>& e, std::vector<T>& best, std::vector<int64_t>& nearest) {
+LEANFORMER_CPU_VARIANTS void assign_nearest(const Example<T>& e, std::vector<T>& best, std::vector<int32_t>& nearest) {
   std::fill(nearest.begin(), nearest.end(), 0);
   std::copy(e.dist, e.dist + e.m, best.begin());
+  T* best_d = best.data();
+  int32_t* near = nearest.data();
   for (int64_t j = 1; j < e.k; ++j) {
     const T* row = e.dist + j * e.m;
+    const int32_t jj = static_cast<int32_t>(j);
+    // Selects, not branches, and 32-bit indices beside 32-bit floats: the loop vectorises.
+#pragma omp simd
     for (int64_t i = 0; i < e.m; ++i) {
-      if (row[i] < best[i]) {  // strict: the first medoid keeps a tie
-        best[i] = row[i];
-        nearest[i] = j;
-      }
+      const bool nearer = row[i] < best_d[i];  // strict: the first medoid keeps a tie
+      best_d[i] = nearer ? row[i] : best_d[i];
+      near[i] = nearer ? jj : near[i];
     }
   }
   for (int64_t i = 0; i < e.m; ++i) e.assign[e.others[i]] = nearest[i];
@@ -199,59 +207,64 @@ void initial_table(const Example<T>& e, std::vector<T>& medoid_rows, std::vector
   *e.work += e.k * e.m;
 }
 
+// A task's buffers, reused by its examples (allocated, and zeroed, once per task).
 template <typename T>
-Fault run_example(const Example<T>& e, int64_t max_iters) {
-  std::vector<T> best(e.m), means(e.k * e.c), total(e.k), best_score(e.k);
-  std::vector<int64_t> nearest(e.m), members(e.k), new_medoids(e.k), column_of(e.n), moved, columns;
-  std::vector<char> is_moved(e.k);
-  const Fault fault = find_others(e, column_of);
+struct Workspace {
+  std::vector<T> best, means, total, best_score, medoid_rows, other_rows;
+  std::vector<int32_t> nearest;
+  std::vector<int64_t> members, new_medoids, column_of, moved, columns, by_norm, first_equal;
+  std::vector<char> is_moved;
+  leanformer_tokens::PoolBuffers<T> pool;
+  Workspace(int64_t n, int64_t k, int64_t c)
+      : best(n - k), means(k * c), total(k), best_score(k), medoid_rows(k * c), other_rows((n - k) * c),
+        nearest(n - k), members(k), new_medoids(k), column_of(n), by_norm(k), first_equal(k), is_moved(k),
+        pool(n, k) {}
+};
+
+template <typename T>
+Fault run_example(const Example<T>& e, int64_t max_iters, Workspace<T>& ws) {
+  const Fault fault = find_others(e, ws.column_of);
   if (fault != Fault::none) return fault;
-  {
-    std::vector<T> medoid_rows(e.k * e.c), other_rows(e.m * e.c);
-    initial_table(e, medoid_rows, other_rows);
+  initial_table(e, ws.medoid_rows, ws.other_rows);
+  // Medoids at one point tie, the first in medoid order winning, only if their rows are
+  // equal: each takes the first one's.
+  leanformer_tokens::first_equal_rows(e.x, e.sq, e.medoids, e.k, e.c, ws.by_norm, ws.first_equal);
+  for (int64_t j = 0; j < e.k; ++j) {
+    const int64_t t = ws.first_equal[j];
+    if (t != j) std::copy(e.dist + t * e.m, e.dist + (t + 1) * e.m, e.dist + j * e.m);
   }
-  {
-    // Medoids at one point tie, the first in medoid order winning, only if their rows
-    // are equal: each takes the first one's.
-    std::vector<int64_t> by_norm(e.k), first_equal(e.k);
-    leanformer_tokens::first_equal_rows(e.x, e.sq, e.medoids, e.k, e.c, by_norm, first_equal);
-    for (int64_t j = 0; j < e.k; ++j) {
-      const int64_t t = first_equal[j];
-      if (t != j) std::copy(e.dist + t * e.m, e.dist + (t + 1) * e.m, e.dist + j * e.m);
-    }
-  }
-  assign_nearest(e, best, nearest);
+  assign_nearest(e, ws.best, ws.nearest);
   for (int64_t it = 0; it < max_iters; ++it) {
-    medoids_from_means(e, means, total, members, best_score, new_medoids);
-    moved.clear();
-    columns.clear();
-    std::fill(is_moved.begin(), is_moved.end(), 0);
+    medoids_from_means(e, ws.means, ws.total, ws.members, ws.best_score, ws.new_medoids);
+    ws.moved.clear();
+    ws.columns.clear();
+    std::fill(ws.is_moved.begin(), ws.is_moved.end(), 0);
     for (int64_t j = 0; j < e.k; ++j) {
-      const int64_t old = e.medoids[j], now = new_medoids[j];
+      const int64_t old = e.medoids[j], now = ws.new_medoids[j];
       if (now == old) continue;
       // The new medoid is a member of cluster j, so it was one of the other tokens; the
       // old medoid takes its column.
-      const int64_t i = column_of[now];
+      const int64_t i = ws.column_of[now];
       if (i < 0) return Fault::not_a_partition;  // cannot happen: a member is not a medoid
       e.others[i] = old;
-      column_of[old] = i;
-      column_of[now] = -1;
+      ws.column_of[old] = i;
+      ws.column_of[now] = -1;
       e.medoids[j] = now;
-      moved.push_back(j);
-      is_moved[j] = 1;
-      columns.push_back(i);
+      ws.moved.push_back(j);
+      ws.is_moved[j] = 1;
+      ws.columns.push_back(i);
     }
-    if (moved.empty()) return Fault::none;  // a fixed point: later iterations would give it again
-    for (const int64_t j : moved) {
-      const int64_t twin = unmoved_twin(e, j, is_moved);
+    if (ws.moved.empty()) return Fault::none;  // a fixed point: later iterations would give it again
+    for (const int64_t j : ws.moved) {
+      const int64_t twin = unmoved_twin(e, j, ws.is_moved);
       if (twin < 0) {
         recompute_row(e, j);
       } else {
         std::copy(e.dist + twin * e.m, e.dist + (twin + 1) * e.m, e.dist + j * e.m);
       }
     }
-    for (const int64_t i : columns) recompute_column(e, i);
-    assign_nearest(e, best, nearest);
+    for (const int64_t i : ws.columns) recompute_column(e, i);
+    assign_nearest(e, ws.best, ws.nearest);
   }
   return Fault::none;
 }
@@ -269,19 +282,20 @@ Fault run_batch(const leanformer_tokens::TokenRows& x, const at::Tensor& w, at::
   int64_t* wk = work.data_ptr<int64_t>();
   T* pp = pooled.numel() > 0 ? pooled.data_ptr<T>() : nullptr;
   std::atomic<int> fault{static_cast<int>(Fault::none)};
-  leanformer_tokens::for_each_centred_example(xp, x.batch_stride, batch, n, c, [&](int64_t b, const T* centred,
-                                                                                     const T* sq, const T*) {
-    const Example<T> e{centred, sq, wp + b * n, dp + b * k * m, mp + b * k, op + b * m, ap + b * n, wk + b, n, k, m, c};
-    const Fault found = run_example(e, max_iters);
-    if (found != Fault::none) {
-      fault.store(static_cast<int>(found));
-    } else if (pp != nullptr) {
-      // The example's tokens are still in this core's cache: pool them now rather than
-      // in another pass over the batch.
-      leanformer_tokens::PoolBuffers<T> buffers(n, k);
-      leanformer_tokens::pool_clusters(xp + b * x.batch_stride, e.w, e.assign, n, c, k, pp + b * k * c, buffers);
-    }
-  });
+  leanformer_tokens::for_each_centred_example(
+      xp, x.batch_stride, batch, n, c, [&] { return Workspace<T>(n, k, c); },
+      [&](int64_t b, const T* centred, const T* sq, const T*, Workspace<T>& ws) {
+        const Example<T> e{centred, sq, wp + b * n, dp + b * k * m, mp + b * k, op + b * m, ap + b * n, wk + b,
+                           n, k, m, c};
+        const Fault found = run_example(e, max_iters, ws);
+        if (found != Fault::none) {
+          fault.store(static_cast<int>(found));
+        } else if (pp != nullptr) {
+          // The example's tokens are still in this core's cache: pool them now rather than
+          // in another pass over the batch.
+          leanformer_tokens::pool_clusters(xp + b * x.batch_stride, e.w, e.assign, n, c, k, pp + b * k * c, ws.pool);
+        }
+      });
   return static_cast<Fault>(fault.load());
 }
 
