@@ -63,7 +63,10 @@ def test_with_a_gradient_to_compute_the_means_stay_differentiable(monkeypatch) -
         _, want = kmedoids_pooled(x0, 12, weights=w0)
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     _, pooled = kmedoids_pooled(x, 12, weights=w)
-    assert pooled.requires_grad and torch.equal(pooled.detach(), want)
+    assert pooled.requires_grad
+    # embedding_bag's sums: the same terms in the same order, rounded alike but for the
+    # fused multiply-adds of the kernel's AVX2 and AVX-512 variants.
+    torch.testing.assert_close(pooled.detach(), want, rtol=1e-14, atol=1e-14)
     pooled.square().sum().backward()
     assert x.grad is not None and bool((x.grad.abs().sum(-1) > 0).all())
     assert w.grad is not None and bool((w.grad != 0).any())

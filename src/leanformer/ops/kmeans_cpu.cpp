@@ -52,7 +52,7 @@ struct EqualCentres {
 };
 
 template <typename T>
-LEANFORMER_CPU_VARIANTS bool assign_nearest(const Example<T>& e, std::vector<T>& dist, std::vector<T>& centre_sq,
+LEANFORMER_VARIANT_BODY bool assign_nearest_body(const Example<T>& e, std::vector<T>& dist, std::vector<T>& centre_sq,
                                             EqualCentres& equal) {
   const int64_t n = e.n, k = e.k, c = e.c;
   for (int64_t j = 0; j < k; ++j) centre_sq[j] = leanformer_tokens::dot(e.centres + j * c, e.centres + j * c, c);
@@ -87,10 +87,11 @@ LEANFORMER_CPU_VARIANTS bool assign_nearest(const Example<T>& e, std::vector<T>&
   }
   return changed;
 }
+LEANFORMER_CPU_VARIANTS(assign_nearest)
 
 // Every cluster with weight moves to the weighted mean of its members.
 template <typename T>
-LEANFORMER_CPU_VARIANTS void update_centres(const Example<T>& e, std::vector<T>& sums, std::vector<T>& total) {
+LEANFORMER_VARIANT_BODY void update_centres_body(const Example<T>& e, std::vector<T>& sums, std::vector<T>& total) {
   const int64_t n = e.n, k = e.k, c = e.c;
   std::fill(sums.begin(), sums.end(), T(0));
   std::fill(total.begin(), total.end(), T(0));
@@ -110,6 +111,7 @@ LEANFORMER_CPU_VARIANTS void update_centres(const Example<T>& e, std::vector<T>&
     for (int64_t d = 0; d < c; ++d) cj[d] = sj[d] / total[j];
   }
 }
+LEANFORMER_CPU_VARIANTS(update_centres)
 
 enum class Fault : int { none = 0, bad_seeds, not_finite };
 

@@ -67,7 +67,7 @@ struct Example {
 enum class Fault : int { none = 0, not_a_partition, not_finite };
 
 template <typename T>
-LEANFORMER_CPU_VARIANTS void assign_nearest(const Example<T>& e, std::vector<T>& best, std::vector<int32_t>& nearest) {
+LEANFORMER_VARIANT_BODY void assign_nearest_body(const Example<T>& e, std::vector<T>& best, std::vector<int32_t>& nearest) {
   std::fill(nearest.begin(), nearest.end(), 0);
   std::copy(e.dist, e.dist + e.m, best.begin());
   T* best_d = best.data();
@@ -86,26 +86,29 @@ LEANFORMER_CPU_VARIANTS void assign_nearest(const Example<T>& e, std::vector<T>&
   for (int64_t i = 0; i < e.m; ++i) e.assign[e.others[i]] = nearest[i];
   for (int64_t j = 0; j < e.k; ++j) e.assign[e.medoids[j]] = j;
 }
+LEANFORMER_CPU_VARIANTS(assign_nearest)
 
 // Medoid j moved: recompute its row.
 template <typename T>
-LEANFORMER_CPU_VARIANTS void recompute_row(const Example<T>& e, int64_t j) {
+LEANFORMER_VARIANT_BODY void recompute_row_body(const Example<T>& e, int64_t j) {
   T* row = e.dist + j * e.m;
   for (int64_t i = 0; i < e.m; ++i) row[i] = sq_dist(e.x, e.sq, e.medoids[j], e.others[i], e.c);
   *e.work += e.m;
 }
+LEANFORMER_CPU_VARIANTS(recompute_row)
 
 // Column i now holds another token: recompute it.
 template <typename T>
-LEANFORMER_CPU_VARIANTS void recompute_column(const Example<T>& e, int64_t i) {
+LEANFORMER_VARIANT_BODY void recompute_column_body(const Example<T>& e, int64_t i) {
   for (int64_t j = 0; j < e.k; ++j) e.dist[j * e.m + i] = sq_dist(e.x, e.sq, e.medoids[j], e.others[i], e.c);
   *e.work += e.k;
 }
+LEANFORMER_CPU_VARIANTS(recompute_column)
 
 // The member of every cluster nearest its weighted mean -> new_medoids [K]. Members are
 // ranked by |x_i|^2 - 2 x_i.mean (the distance to the mean less a constant of the cluster).
 template <typename T>
-LEANFORMER_CPU_VARIANTS void medoids_from_means(const Example<T>& e, std::vector<T>& means, std::vector<T>& total,
+LEANFORMER_VARIANT_BODY void medoids_from_means_body(const Example<T>& e, std::vector<T>& means, std::vector<T>& total,
                         std::vector<int64_t>& members, std::vector<T>& best_score,
                         std::vector<int64_t>& new_medoids) {
   const int64_t n = e.n, c = e.c;
@@ -143,6 +146,7 @@ LEANFORMER_CPU_VARIANTS void medoids_from_means(const Example<T>& e, std::vector
     }
   }
 }
+LEANFORMER_CPU_VARIANTS(medoids_from_means)
 
 // A medoid at the same point as medoid j that did not move, or -1. Its row holds the
 // distances that j's must hold, computed the same way: the initial product made the rows
