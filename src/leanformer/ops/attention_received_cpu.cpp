@@ -65,7 +65,7 @@ inline double exp_nonpositive(double x) { return std::exp(x); }
 // For each of `rows` rows of s [rows, n] (row stride ld; plus the mask's rows): the
 // exponentials e = exp(s - max) in place, the inverse 1 / sum(e) of the row into
 // inverse [rows], and the probabilities e / sum(e) added into received [n]. The rows are
-// left unnormalised: the output's rows are scaled instead, H x D values, not N.
+// left unnormalised: the output's rows are scaled instead, D values a row, not N.
 template <typename T>
 LEANFORMER_VARIANT_BODY void softmax_rows_into_body(T* s, int64_t rows, int64_t n, int64_t ld, const T* mask,
                                                     int64_t mask_row_stride, int64_t mask_key_stride, T* received,
