@@ -193,6 +193,8 @@ std::tuple<at::Tensor, at::Tensor> attention_received(const at::Tensor& q, const
               "q, k and v must share one floating type");
   TORCH_CHECK(fits_blas(q) && fits_blas(k) && fits_blas(v),
               "q, k and v need contiguous rows (last stride 1) that a BLAS product can step through");
+  // The logits' rows are padded to 16 numbers; their length must stay a BLAS int.
+  TORCH_CHECK(num_keys <= std::numeric_limits<int>::max() - 15, "too many keys for BLAS");
   if (mask.has_value()) {
     TORCH_CHECK(mask->device().is_cpu(), "the mask must be a CPU tensor");
     TORCH_CHECK(mask->sizes() == at::IntArrayRef({batch, heads, num_queries, num_keys}),

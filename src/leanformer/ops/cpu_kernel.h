@@ -27,7 +27,8 @@
 //
 // A hot loop is written once as `name_body` (LEANFORMER_VARIANT_BODY, a template), and
 // LEANFORMER_CPU_VARIANTS(name) then defines `name(args...)`, which calls it compiled for
-// the CPU. Helpers it calls (inline) are compiled into each variant with it.
+// the CPU. Small inline helpers it calls are compiled into each variant with it, where
+// GCC inlines them (dot, sq_dist, the exponential are).
 #if defined(__x86_64__) && defined(__GNUC__)
 #define LEANFORMER_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma")))
 #define LEANFORMER_TARGET_AVX2 __attribute__((target("avx2,fma")))
