@@ -22,7 +22,7 @@
 // and for plain x86-64, and run in the best variant the CPU has (picked once, by its
 // features), so the build flags stay portable. Written out, not by GCC's target_clones:
 // a clone names one feature, and its "avx2" clone has no FMA, so every multiply-add was
-// two instructions (the attention softmax ran 6% slower); clones named by "arch=" match
+// two instructions (the attention kernel ran 6% slower); clones named by "arch=" match
 // one CPU model only.
 //
 // A hot loop is written once as `name_body` (LEANFORMER_VARIANT_BODY, a template), and
