@@ -275,7 +275,8 @@ Fault run_example(const Example<T>& e, int64_t max_iters, Workspace<T>& ws) {
 
 template <typename T>
 Fault run_batch(const leanformer_tokens::TokenRows& x, const at::Tensor& w, at::Tensor& dist, at::Tensor& medoids,
-                at::Tensor& others, at::Tensor& assign, at::Tensor& work, at::Tensor& pooled, int64_t max_iters) {
+                at::Tensor& others, at::Tensor& assign, at::Tensor& work, bool pool, at::Tensor& pooled,
+                int64_t max_iters) {
   const int64_t batch = x.tensor.size(0), n = x.tensor.size(1), c = x.tensor.size(2), k = medoids.size(1), m = n - k;
   const T* xp = x.tensor.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
@@ -284,7 +285,7 @@ Fault run_batch(const leanformer_tokens::TokenRows& x, const at::Tensor& w, at::
   int64_t* op = others.data_ptr<int64_t>();
   int64_t* ap = assign.data_ptr<int64_t>();
   int64_t* wk = work.data_ptr<int64_t>();
-  T* pp = pooled.numel() > 0 ? pooled.data_ptr<T>() : nullptr;
+  T* pp = pool ? pooled.data_ptr<T>() : nullptr;
   std::atomic<int> fault{static_cast<int>(Fault::none)};
   leanformer_tokens::for_each_centred_example(
       xp, x.batch_stride, batch, n, c, [&] { return Workspace<T>(n, k, c); },
@@ -325,7 +326,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kmedoids_iterate(cons
   at::Tensor pooled = at::empty({pool ? batch : 0, k, c}, x_in.options());
   Fault fault = Fault::none;
   AT_DISPATCH_FLOATING_TYPES(x_in.scalar_type(), "kmedoids_iterate", [&] {
-    fault = run_batch<scalar_t>(x, w, table, new_medoids, others, assign, work, pooled, max_iters);
+    fault = run_batch<scalar_t>(x, w, table, new_medoids, others, assign, work, pool, pooled, max_iters);
   });
   TORCH_CHECK_VALUE(fault != Fault::not_a_partition, "K-Medoids: the initial medoids must be K distinct tokens");
   TORCH_CHECK_VALUE(fault != Fault::not_finite, "K-Medoids needs finite tokens and weights (got NaN)");
