@@ -52,8 +52,8 @@ struct EqualCentres {
 };
 
 template <typename T>
-LEANFORMER_VARIANT_BODY bool assign_nearest_body(const Example<T>& e, std::vector<T>& dist, std::vector<T>& centre_sq,
-                                            EqualCentres& equal) {
+LEANFORMER_VARIANT_BODY bool assign_nearest_body(const Example<T>& e, std::vector<T>& dist,
+                                                 std::vector<T>& centre_sq, EqualCentres& equal) {
   const int64_t n = e.n, k = e.k, c = e.c;
   for (int64_t j = 0; j < k; ++j) centre_sq[j] = leanformer_tokens::dot(e.centres + j * c, e.centres + j * c, c);
   for (int64_t i = 0; i < n; ++i) std::copy(centre_sq.begin(), centre_sq.end(), dist.begin() + i * k);
@@ -91,7 +91,8 @@ LEANFORMER_CPU_VARIANTS(assign_nearest)
 
 // Every cluster with weight moves to the weighted mean of its members.
 template <typename T>
-LEANFORMER_VARIANT_BODY void update_centres_body(const Example<T>& e, std::vector<T>& sums, std::vector<T>& total) {
+LEANFORMER_VARIANT_BODY void update_centres_body(const Example<T>& e, std::vector<T>& sums,
+                                                 std::vector<T>& total) {
   const int64_t n = e.n, k = e.k, c = e.c;
   std::fill(sums.begin(), sums.end(), T(0));
   std::fill(total.begin(), total.end(), T(0));

@@ -67,7 +67,8 @@ struct Example {
 enum class Fault : int { none = 0, not_a_partition, not_finite };
 
 template <typename T>
-LEANFORMER_VARIANT_BODY void assign_nearest_body(const Example<T>& e, std::vector<T>& best, std::vector<int32_t>& nearest) {
+LEANFORMER_VARIANT_BODY void assign_nearest_body(const Example<T>& e, std::vector<T>& best,
+                                                 std::vector<int32_t>& nearest) {
   std::fill(nearest.begin(), nearest.end(), 0);
   std::copy(e.dist, e.dist + e.m, best.begin());
   T* best_d = best.data();
@@ -108,9 +109,9 @@ LEANFORMER_CPU_VARIANTS(recompute_column)
 // The member of every cluster nearest its weighted mean -> new_medoids [K]. Members are
 // ranked by |x_i|^2 - 2 x_i.mean (the distance to the mean less a constant of the cluster).
 template <typename T>
-LEANFORMER_VARIANT_BODY void medoids_from_means_body(const Example<T>& e, std::vector<T>& means, std::vector<T>& total,
-                        std::vector<int64_t>& members, std::vector<T>& best_score,
-                        std::vector<int64_t>& new_medoids) {
+LEANFORMER_VARIANT_BODY void medoids_from_means_body(const Example<T>& e, std::vector<T>& means,
+                                                     std::vector<T>& total, std::vector<int64_t>& members,
+                                                     std::vector<T>& best_score, std::vector<int64_t>& new_medoids) {
   const int64_t n = e.n, c = e.c;
   std::fill(total.begin(), total.end(), T(0));
   std::fill(members.begin(), members.end(), 0);
