@@ -45,7 +45,7 @@ using leanformer_tokens::dot;
 // of the caller's product (leanformer.ops.token_distances.pairwise_sq_dists):
 // (|x_b|^2 - 2 x_a.x_b) + |x_a|^2.
 template <typename T>
-T sq_dist(const T* x, const T* sq, int64_t a, int64_t b, int64_t c) {
+LEANFORMER_VARIANT_BODY T sq_dist(const T* x, const T* sq, int64_t a, int64_t b, int64_t c) {
   const T d = (sq[b] - T(2) * dot(x + a * c, x + b * c, c)) + sq[a];
   return d > T(0) ? d : T(0);
 }
