@@ -124,8 +124,8 @@ def _items_and_heads(q: Tensor, mask: Tensor | None) -> torch.Size:
         return q.shape[:2]
     lead = mask.shape[:-2][-2:]
     # Eager, a mask that adds no items or heads (the size bias, [B, 1, 1, Nk]) skips
-    # torch.broadcast_shapes, which took about 45 us a call (its symbolic-shape checks);
-    # at batch 1 that was a tenth of a small model's attention.
+    # torch.broadcast_shapes: its symbolic-shape checks cost about 45 us a call, a tenth
+    # of a small model's attention at batch 1.
     if not torch.compiler.is_compiling() and all(
         m in (1, n) for m, n in zip(reversed(lead), reversed(q.shape[:2]), strict=False)
     ):
