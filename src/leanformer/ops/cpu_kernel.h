@@ -170,14 +170,11 @@ LEANFORMER_VARIANT_BODY void centre_body(const T* x, int64_t n, int64_t c, T* me
   for (int64_t i = 0; i < n; ++i) {
     const T* xi = x + i * c;
     T* oi = out + i * c;
-    T sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t d = 0; d < c; ++d) {
-      const T v = xi[d] - mean[d];
-      oi[d] = v;
-      sum += v * v;
-    }
-    sq[i] = sum;
+#pragma omp simd
+    for (int64_t d = 0; d < c; ++d) oi[d] = xi[d] - mean[d];
+    // By dot itself (the row is in L1), so a token's squared norm is its dot product
+    // with itself to the bit, and sq_dist gives a token and its copy a distance of 0.
+    sq[i] = dot(oi, oi, c);
   }
 }
 LEANFORMER_CPU_VARIANTS(centre)
