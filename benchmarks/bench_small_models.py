@@ -20,8 +20,9 @@ medians over runs:
 - ``sret``: ``sret_tiny`` against ``sret_tiny_unsliced`` at 224, batch 32. Goal: speedup
   at least 0.9x their FLOPs ratio.
 - ``fashion``: ``deit_fashion`` (197 tokens, width 64) at the ``tradeoff_fashion`` budgets:
-  ``stepmerge`` against ``merge`` (and ``none``), at ``--deit-batches``. Goal: stepmerge at
-  least 0.9x merge's img/s at every budget.
+  ``stepmerge`` against ``merge`` (and ``none``), at ``--deit-batches``; ``--fashion-methods``
+  picks other methods and ``--fashion-gflops`` GFLOPs budgets instead of keep ratios. Goal:
+  each method at least 0.9x merge's img/s at every budget.
 
 With ``--compile`` every candidate is also compiled (``torch.compile(fullgraph=True)``,
 inductor) and timed beside its eager self; compile times are reported apart. Set the
@@ -44,6 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from leanformer.apps.gflops_budget import solve_keep_ratios
+from leanformer.apps.tradeoff import with_method
 from leanformer.bench.compiled import compile_for_inference
 from leanformer.bench.flops import count_gflops
 from leanformer.bench.results import write_jsonl
@@ -266,16 +269,36 @@ def bench_sret(args: argparse.Namespace) -> list[dict[str, Any]]:
     return compare_models("sret", models, x, baseline="sret_tiny_unsliced", args=args)
 
 
+def _fashion_keeps(args: argparse.Namespace, base: nn.Module, method: str) -> list[Any]:
+    """The keep ratios of configs/tradeoff_fashion.yaml, or with ``--fashion-gflops`` the
+    constant per-block ratios solved to those GFLOPs fractions (as a sweep solves them)."""
+    if not args.fashion_gflops:
+        return list(FASHION_BUDGETS)
+    image = (torch.zeros(1, 1, 28, 28),)
+    full = count_gflops(base, image)
+
+    def cost(ratios: list[float]) -> float:
+        return count_gflops(with_method(base, method, ratios, carry=True, options={}), image) / full
+
+    return [
+        solve_keep_ratios({"gflops": g, "tilt": 0.0}, depth=len(base.blocks), cost=cost, name=method)
+        for g in args.fashion_gflops
+    ]
+
+
 def bench_fashion(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     base = create_model("deit_fashion").eval()
+    keeps = {method: _fashion_keeps(args, base, method) for method in args.fashion_methods}
     rows = []
-    for keep in FASHION_BUDGETS:
+    for point in range(len(next(iter(keeps.values())))):
         models: dict[str, nn.Module] = {"none": base}
-        for method in ("merge", "stepmerge"):
+        for method in args.fashion_methods:
+            keep = keeps[method][point]
             model = create_model("deit_fashion", pool=method, keep=keep, carry=True)
             model.load_state_dict(base.state_dict())
-            models[f"{method} {keep}"] = model.eval()
+            label = f"g{args.fashion_gflops[point]}" if args.fashion_gflops else keep
+            models[f"{method} {label}"] = model.eval()
         for batch in args.deit_batches:
             rows += compare_models(
                 "fashion", models, torch.randn(batch, 1, 28, 28), baseline="none", args=args
@@ -315,6 +338,13 @@ def main() -> None:
         "--budgets", default="0,1,2,3", help="digits part: which of the demo's four budgets (0 = mildest)"
     )
     p.add_argument("--deit-batches", default="1,32")
+    p.add_argument("--fashion-methods", default="merge,stepmerge", help="fashion part: methods compared")
+    p.add_argument(
+        "--fashion-gflops",
+        default=None,
+        help="fashion part: GFLOPs fractions, e.g. 0.5,0.35 (each method's constant ratio is solved "
+        "to them); default: the keep ratios of configs/tradeoff_fashion.yaml",
+    )
     p.add_argument(
         "--layer-shape",
         default="32,197,98",
@@ -328,6 +358,8 @@ def main() -> None:
     args = p.parse_args()
     args.methods = [m for m in args.methods.split(",") if m] if args.methods else None
     args.deit_batches = [int(b) for b in args.deit_batches.split(",")]
+    args.fashion_methods = [m for m in args.fashion_methods.split(",") if m]
+    args.fashion_gflops = [float(g) for g in args.fashion_gflops.split(",")] if args.fashion_gflops else None
     args.budgets = [int(b) for b in args.budgets.split(",")]
     args.layer_shape = [int(v) for v in args.layer_shape.split(",")]
     if len(args.layer_shape) != 3:

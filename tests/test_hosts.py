@@ -220,7 +220,7 @@ def _timm_to_hf_vit(timm_model: nn.Module) -> nn.Module:
     return hf
 
 
-@pytest.mark.parametrize("method", ["wkmedoids", "powerbert", "merge"])
+@pytest.mark.parametrize("method", ["wkmedoids", "powerbert", "merge", "inputmerge"])
 def test_timm_and_hugging_face_vit_agree(method: str, images: Tensor) -> None:
     timm_model = HOSTS["timm_cls"][0]()
     hf_model = _timm_to_hf_vit(timm_model)

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from leanformer.layers.budgets import KeepLike, KeepSchedule, parse_keep
 from leanformer.layers.pooling_state import ReducePosition, TokenPooling
 from leanformer.layers.reducer import TokenReducer, reduce_tokens
-from leanformer.layers.token_pooling import build_reducers
+from leanformer.layers.token_pooling import build_reducers, method_reduce_at
 
 Override = tuple[nn.Module, str, Any]  # set on the instance, deleted to undo
 
@@ -69,10 +69,13 @@ def pooled_block_forward(
     num_prefix: int,
     reduce_at: ReducePosition,
 ) -> tuple[Tensor, Tensor | None]:
-    """One host block with a reducer after its attention (or after its MLP).
+    """One host block with a reducer after its attention (or after its MLP, or at its input).
 
     ``x [B, N, C]``, ``sizes [B, N] | None`` -> ``(x [B, N', C], sizes [B, N'] | None)``.
     """
+    if reducer is not None and reduce_at == "input":
+        x, sizes = reduce_tokens(reducer, x, sizes, None, num_prefix)
+        reducer = None
     need_received = reducer is not None and bool(getattr(reducer, "needs_received", False))
     attn_out, received = parts.attention(parts.norm1(x), sizes, need_received)
     x = x + _chain(attn_out, parts.attn_post)
@@ -209,6 +212,12 @@ def install_reducers(
     check_unpatched(host)
     if len(reducers) != len(host.blocks):
         raise ValueError(f"got {len(reducers)} reducers for a model with {len(host.blocks)} blocks")
+    if reduce_at == "input" and any(getattr(r, "needs_received", False) for r in reducers):
+        raise ValueError(
+            "reduce_at='input' places reducers before the attention, where no attention scores "
+            "exist yet: methods that need them (weighted clusterings, top-K initial centres, "
+            "powerbert, importance) cannot reduce there"
+        )
     pooling = TokenPooling(
         reducers,
         num_prefix=host.num_prefix,
@@ -230,10 +239,12 @@ def install(
     keep: KeepLike | None,
     method: str,
     carry: bool,
-    reduce_at: ReducePosition,
+    reduce_at: ReducePosition | None,
     **options: Any,
 ) -> nn.Module:
-    """Build ``method``'s reducers for ``host`` under ``keep`` and patch it."""
+    """Build ``method``'s reducers for ``host`` under ``keep`` and patch it (``reduce_at``
+    None: the method's own place, else between attention and MLP)."""
+    reduce_at = method_reduce_at(method, reduce_at)
     # Parsed here, once: the reducers and model.token_pooling.keep get the same schedule.
     keep = None if keep is None else parse_keep(keep)
     reducers = build_reducers(

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.layers.budgets import KeepSchedule, parse_keep
-from leanformer.layers.reducer import ReducePosition, TokenReducer
+from leanformer.layers.reducer import REDUCE_POSITIONS, ReducePosition, TokenReducer
 from leanformer.layers.token_pooling import build_reducers
 
 __all__ = ["ReducePosition", "TokenPooling"]
@@ -45,8 +45,8 @@ class TokenPooling(nn.Module):
         options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if reduce_at not in ("attn", "mlp"):
-            raise ValueError(f"reduce_at must be 'attn' or 'mlp', got {reduce_at!r}")
+        if reduce_at not in REDUCE_POSITIONS:
+            raise ValueError(f"reduce_at must be one of {', '.join(REDUCE_POSITIONS)}, got {reduce_at!r}")
         self.depth = len(reducers)
         self.num_prefix = num_prefix
         self.num_tokens = num_tokens

@@ -16,8 +16,11 @@ import torch
 from torch import Tensor
 
 # Where a block's reducer sits: between its attention and its MLP (PoWER-BERT, Token
-# Pooling: the MLP already runs on fewer tokens) or after its MLP.
-ReducePosition = Literal["attn", "mlp"]
+# Pooling: the MLP already runs on fewer tokens), after its MLP, or at its input, before
+# its attention (``inputmerge``: the first block's attention already runs on fewer
+# tokens; the block's own attention scores do not exist yet there).
+ReducePosition = Literal["attn", "mlp", "input"]
+REDUCE_POSITIONS: tuple[ReducePosition, ...] = ("attn", "mlp", "input")
 
 
 @runtime_checkable

@@ -18,6 +18,7 @@ Methods (``method=`` of :func:`build_reducers`, ``pool=`` of the DeiT models):
 ``conv``        learned 2x2 stride-2 convolution on the token grid (appendix D)
 ``merge``       ToMe-style bipartite soft matching (size-weighted merges)
 ``stepmerge``   bipartite merging in rounds of at most a quarter of the tokens
+``inputmerge``  ``merge`` at each block's input, before its attention (the first block's too)
 ``none``        no reduction
 ==============  ===========================================================================
 
@@ -42,6 +43,7 @@ from torch import Tensor, nn
 
 from leanformer.layers.budgets import Budget, KeepLike, budget_to_count, parse_keep
 from leanformer.layers.checks import as_int
+from leanformer.layers.reducer import ReducePosition
 from leanformer.ops.clustering import (
     InitMode,
     cluster_mean,
@@ -354,6 +356,9 @@ class PoolingMethod:
     make: Callable[..., nn.Module] | None
     options: tuple[str, ...] = ()
     build: Callable[..., list[nn.Module | None]] | None = None
+    # Where the method's reducers sit when the method decides it (None: the caller's
+    # ``reduce_at``, by default between attention and MLP).
+    reduce_at: ReducePosition | None = None
 
     def __post_init__(self) -> None:
         if (self.make is None) == (self.build is None):
@@ -449,6 +454,12 @@ METHODS: dict[str, PoolingMethod] = {
             "stepmerge", "bipartite merging in rounds of at most a quarter of the tokens", _merge(0.25)
         ),
         PoolingMethod(
+            "inputmerge",
+            "ToMe bipartite soft matching at each block's input, before its attention",
+            _merge(0.5),
+            reduce_at="input",
+        ),
+        PoolingMethod(
             "conv", "learned 2x2 stride-2 conv on the token grid", None, ("layers",), build=_build_conv
         ),
         PoolingMethod("none", "no reduction", None, build=_no_reducers),
@@ -468,6 +479,20 @@ def pooling_method(name: str) -> PoolingMethod:
         hint = f"did you mean {', '.join(close)}? " if close else ""
         raise ValueError(f"unknown pooling method {name!r}; {hint}choose from: {', '.join(METHODS)}")
     return METHODS[name]
+
+
+def method_reduce_at(method: str, reduce_at: ReducePosition | None) -> ReducePosition:
+    """Where ``method``'s reducers sit: its own place if it has one, else ``reduce_at``
+    (``None``: between attention and MLP). A place the method cannot use raises."""
+    spec = pooling_method(method)
+    if spec.reduce_at is None:
+        return "attn" if reduce_at is None else reduce_at
+    if reduce_at is not None and reduce_at != spec.reduce_at:
+        raise ValueError(
+            f"pooling method {method!r} reduces at each block's {spec.reduce_at}; "
+            f"reduce_at={reduce_at!r} does not apply to it (leave reduce_at unset)"
+        )
+    return spec.reduce_at
 
 
 def build_reducers(

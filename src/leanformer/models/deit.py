@@ -74,7 +74,7 @@ class DeiT(VisionTransformer):
         pool: str = "none",
         keep: KeepLike | None = None,
         carry: bool = False,
-        reduce_at: ReducePosition = "attn",
+        reduce_at: ReducePosition | None = None,
         pool_options: dict[str, Any] | None = None,
     ) -> None:
         check_positive(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, num_heads=num_heads)

@@ -53,7 +53,7 @@ def apply_token_pooling(
     keep: KeepLike,
     method: str = "wkmedoids",
     carry: bool = True,
-    reduce_at: ReducePosition = "attn",
+    reduce_at: ReducePosition | None = None,
     **options: Any,
 ) -> nn.Module:
     """Insert a token reduction into a timm or Hugging Face vision transformer, in place.
@@ -65,8 +65,10 @@ def apply_token_pooling(
     :func:`leanformer.layers.budgets.parse_keep` reads; change it later with
     ``model.token_pooling.keep = ...``. ``method``: any name of
     :func:`leanformer.layers.token_pooling.list_methods`. ``carry``: track token sizes
-    and weigh keys (and an average or attention pool) by them. Prefix tokens (class,
-    distillation, registers) are never pooled. Returns the model.
+    and weigh keys (and an average or attention pool) by them. ``reduce_at``: where each
+    block reduces, ``"attn"`` (between attention and MLP, the default) or ``"mlp"``
+    (after the MLP); ``inputmerge`` always reduces at each block's input. Prefix tokens
+    (class, distillation, registers) are never pooled. Returns the model.
     """
     return install(adapt(model), keep=keep, method=method, carry=carry, reduce_at=reduce_at, **options)
 
