@@ -131,15 +131,8 @@ def test_places_a_method_cannot_reduce_at_are_refused() -> None:
 @pytest.mark.slow
 def test_compiles_fullgraph_and_matches_eager_through_the_timm_patch() -> None:
     torch.manual_seed(0)
-    model = timm.create_model(
-        "vit_tiny_patch16_224",
-        pretrained=False,
-        depth=3,
-        img_size=64,
-        patch_size=8,
-        embed_dim=48,
-        num_classes=5,
-    ).eval()
+    tiny = {"depth": 3, "img_size": 64, "patch_size": 8, "embed_dim": 48, "num_classes": 5}
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, **tiny).eval()
     leanformer.apply_token_pooling(model, keep=KEEP, method="inputmerge", carry=True)
     x = torch.randn(3, 3, 64, 64)
     torch._dynamo.reset()
