@@ -33,6 +33,7 @@ _METHODS = [
     "random",
     "merge",
     "stepmerge",
+    "inputmerge",
 ]
 
 FASHION_SWEEP: dict[str, Any] = {
