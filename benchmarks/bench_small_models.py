@@ -45,8 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from leanformer.apps.gflops_budget import solve_keep_ratios
-from leanformer.apps.tradeoff import with_method
+from leanformer.apps.tradeoff import solve_method_budget
 from leanformer.bench.compiled import compile_for_inference
 from leanformer.bench.flops import count_gflops
 from leanformer.bench.results import write_jsonl
@@ -274,14 +273,11 @@ def _fashion_keeps(args: argparse.Namespace, base: nn.Module, method: str) -> li
     constant per-block ratios solved to those GFLOPs fractions (as a sweep solves them)."""
     if not args.fashion_gflops:
         return list(FASHION_BUDGETS)
-    image = (torch.zeros(1, 1, 28, 28),)
-    full = count_gflops(base, image)
-
-    def cost(ratios: list[float]) -> float:
-        return count_gflops(with_method(base, method, ratios, carry=True, options={}), image) / full
-
+    example = torch.zeros(1, 1, 28, 28)
     return [
-        solve_keep_ratios({"gflops": g, "tilt": 0.0}, depth=len(base.blocks), cost=cost, name=method)
+        solve_method_budget(
+            base, method, {"gflops": g}, example, carry=True, options={}, name=f"{method} at g{g}"
+        )
         for g in args.fashion_gflops
     ]
 

@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Subset
 
-from leanformer.apps.gflops_budget import solve_keep_ratios
-from leanformer.apps.tradeoff import with_method
+from leanformer.apps.tradeoff import solve_method_budget, with_method
 from leanformer.bench.flops import count_gflops
 from leanformer.config import DataConfig
 from leanformer.engine.builders import build_split
@@ -51,7 +50,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     base = create_model("deit_fashion", pretrained=True).eval()
-    depth = len(base.blocks)
     data = DataConfig(name="fashion_mnist", eval_batch_size=500, options={"validation": 10000})
     val = build_split(data, "val")
     if not 0 <= args.start < len(val) or args.images < 1:
@@ -72,11 +70,9 @@ def main() -> None:
     for target in (float(t) for t in args.targets.split(",")):
         for method in args.methods.split(","):
             for tilt, bend in shapes:
-                keep = solve_keep_ratios(
-                    {"gflops": target, "tilt": tilt, "bend": bend},
-                    depth=depth,
-                    cost=lambda ratios, method=method: cost(method, ratios),
-                    name=method,
+                budget = {"gflops": target, "tilt": tilt, "bend": bend}
+                keep = solve_method_budget(
+                    base, method, budget, image[0], carry=True, options={}, name=method
                 )
                 row = {
                     "target": target,

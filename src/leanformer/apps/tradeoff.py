@@ -288,6 +288,32 @@ def check_points(cfg: SweepConfig, base: nn.Module) -> None:
             raise ValueError(f"{method} at budget {budget_label(keep)}: {err}") from None
 
 
+def solve_method_budget(
+    base: nn.Module,
+    method: str,
+    keep: Mapping[str, Any],
+    example: Tensor,
+    *,
+    carry: bool,
+    options: dict[str, Any],
+    name: str,
+) -> list[float]:
+    """The per-block keep ratios with which ``method`` on ``base`` meets the GFLOPs budget
+    ``keep`` (e.g. ``{"gflops": 0.5}``), GFLOPs counted on ``example`` as
+    :func:`measure_point` counts them; ``name`` prefixes any error."""
+    plain = with_method(base, BASELINE, None, carry=False, options={})
+    full = count_gflops(plain, (example,))
+
+    def cost(ratios: list[float]) -> float:
+        try:
+            variant = with_method(base, method, ratios, carry=carry, options=options)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
+        return count_gflops(variant, (example,)) / full
+
+    return solve_keep_ratios(keep, depth=len(adapt(plain).blocks), cost=cost, name=name)
+
+
 def solve_gflops_budgets(
     cfg: SweepConfig,
     base: nn.Module,
@@ -302,29 +328,19 @@ def solve_gflops_budgets(
     if points is None:
         points = [(m, keep) for m in methods_of(cfg) if m != BASELINE for keep in budgets_of(cfg)]
     pairs = list(dict.fromkeys((m, gflops_label(k)) for m, k in points if is_gflops_budget(k)))
-    if not pairs:
-        return {}
     budgets = {gflops_label(k): k for k in budgets_of(cfg) if is_gflops_budget(k)}
-    plain = with_method(base, BASELINE, None, carry=False, options={})
-    full = count_gflops(plain, (example,))
-    depth = len(adapt(plain).blocks)
-    schedules: dict[tuple[str, str], list[float]] = {}
-    for method, label in progress_bar(pairs, desc="solving GFLOPs budgets", show=progress):
-        keep = budgets[label]
-        options = method_options(cfg, method)
-        point = f"{method} at budget {label}"
-
-        def cost(
-            ratios: list[float], method: str = method, options: dict[str, Any] = options, point: str = point
-        ) -> float:
-            try:
-                variant = with_method(base, method, ratios, carry=cfg.carry, options=options)
-            except ValueError as err:
-                raise ValueError(f"{point}: {err}") from None
-            return count_gflops(variant, (example,)) / full
-
-        schedules[(method, label)] = solve_keep_ratios(keep, depth=depth, cost=cost, name=point)
-    return schedules
+    return {
+        (method, label): solve_method_budget(
+            base,
+            method,
+            budgets[label],
+            example,
+            carry=cfg.carry,
+            options=method_options(cfg, method),
+            name=f"{method} at budget {label}",
+        )
+        for method, label in progress_bar(pairs, desc="solving GFLOPs budgets", show=progress)
+    }
 
 
 @dataclass
