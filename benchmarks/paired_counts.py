@@ -32,13 +32,15 @@ from leanformer.data.loaders import eval_loader
 from leanformer.engine.builders import build_split
 
 
-def correct_per_image(model: nn.Module, loader: Any) -> Tensor:
-    """``[n]`` bool: whether ``model``'s top-1 prediction of each test image is right."""
+def correct_per_image(model: nn.Module, loader: Any, device: str) -> Tensor:
+    """``[n]`` bool: whether ``model``'s top-1 prediction of each test image is right
+    (``leanformer.engine.evaluate.evaluate`` counts the same, summed)."""
     model.eval()
     hits = []
     with torch.no_grad():
         for x, y in loader:
-            hits.append(model(x).argmax(dim=-1) == y)
+            y = y.to(device)
+            hits.append(model(x.to(device)).argmax(dim=-1) == y)
     return torch.cat(hits)
 
 
@@ -80,7 +82,7 @@ def main() -> None:
                 carry=cfg.carry,
                 options=method_options(cfg, method),
             )
-            hit = correct_per_image(model, loader)
+            hit = correct_per_image(model, loader, cfg.device)
             # Compared as counts of images: the sweep's percentage went through floats.
             right, expected = int(hit.sum()), round(row["top1"] * hit.numel() / 100)
             if right != expected:
