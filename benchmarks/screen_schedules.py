@@ -9,12 +9,16 @@ ratio), solves ``rho`` so that every schedule costs the same GFLOPs (``--targets
 fractions of the unpooled model's; the sweep's GFLOPs budgets,
 :mod:`leanformer.apps.gflops_budget`), and measures top-1 without fine-tuning on
 ``--images`` images of the validation split from ``--start`` (the last 10,000 training
-images, which the shipped model never trained on). Needs Fashion-MNIST.
+images, which the shipped model never trained on). ``--checkpoint`` screens another
+model trained on the first 50,000 (e.g. the depth-12 run of
+``configs/train_deit_fashion_d12.yaml``). Needs Fashion-MNIST.
 
     python benchmarks/screen_schedules.py --targets 0.5,0.36,0.24 --tilts=-1.2,-0.6,0,0.6 \\
         --methods merge,stepmerge --out runs/schedules.jsonl
     python benchmarks/screen_schedules.py --targets 0.36 --methods merge \\
         --tilts=-1.6,-1.2,-0.8,-0.4,0 --bends=-1,-0.5,0,0.5,1
+    python benchmarks/screen_schedules.py --checkpoint runs/deit_fashion_d12/last.safetensors \\
+        --targets 0.35,0.24 --methods merge,inputmerge --tilts=0 --images 10000
 
 Prints one JSON line per point (and appends it to ``--out``).
 """
@@ -23,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sized
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch.utils.data import DataLoader, Subset
@@ -32,6 +38,7 @@ from leanformer.apps.tradeoff import solve_method_budget, with_method
 from leanformer.bench.flops import count_gflops
 from leanformer.config import DataConfig
 from leanformer.engine.builders import build_split
+from leanformer.engine.checkpoint import load_model
 from leanformer.engine.evaluate import evaluate
 from leanformer.models.registry import create_model
 
@@ -46,15 +53,25 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=2000, help="validation images used")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, help="append the JSON lines here too")
+    parser.add_argument(
+        "--checkpoint", type=Path, help="a trained Fashion-MNIST model (default: the shipped deit_fashion)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    base = create_model("deit_fashion", pretrained=True).eval()
+    if args.checkpoint is not None and not args.checkpoint.is_file():
+        parser.error(f"checkpoint {args.checkpoint} does not exist")
+    base = (
+        create_model("deit_fashion", pretrained=True)
+        if args.checkpoint is None
+        else load_model(args.checkpoint)
+    ).eval()
     data = DataConfig(name="fashion_mnist", eval_batch_size=500, options={"validation": 10000})
     val = build_split(data, "val")
-    if not 0 <= args.start < len(val) or args.images < 1:
-        parser.error(f"--start must lie in [0, {len(val)}) and --images be positive")
-    images = range(args.start, min(args.start + args.images, len(val)))
+    count = len(cast(Sized, val))
+    if not 0 <= args.start < count or args.images < 1:
+        parser.error(f"--start must lie in [0, {count}) and --images be positive")
+    images = range(args.start, min(args.start + args.images, count))
     loader = DataLoader(Subset(val, images), batch_size=500)
     image = (torch.zeros(1, 1, 28, 28),)
     full = count_gflops(base, image)

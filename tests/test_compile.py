@@ -92,9 +92,9 @@ def cpu_plans(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_schedule_covers_every_method() -> None:
-    # inputmerge's reducers are merge's, placed at block inputs: tests/test_inputmerge.py
-    # compiles that placement.
-    assert set(SCHEDULE) == set(list_methods()) - {"none", "inputmerge"}
+    # inputmerge's and entrymerge's reducers are merge's, placed before an attention:
+    # tests/test_merge_positions.py compiles those placements.
+    assert set(SCHEDULE) == set(list_methods()) - {"none", "inputmerge", "entrymerge"}
 
 
 @pytest.mark.slow

@@ -148,9 +148,10 @@ def test_every_method_keeps_the_documented_counts(host: str, images: Tensor) -> 
         )
         with torch.no_grad():
             final, tokens = run(model, images)
-        # ratio 0.5 per block: 16 -> 8 -> 4 -> 2; conv halves each grid side while the
-        # budget asks to drop half: 4x4 -> 2x2 -> 1x1 -> (one token left: no layer)
-        expected = {"none": PATCHES, "conv": 1}.get(method, 2)
+        # ratio 0.5 per block: 16 -> 8 -> 4 -> 2; entrymerge halves once more before the
+        # first block; conv halves each grid side while the budget asks to drop half:
+        # 4x4 -> 2x2 -> 1x1 -> (one token left: no layer)
+        expected = {"none": PATCHES, "conv": 1, "entrymerge": 1}.get(method, 2)
         assert tokens.shape[1] == prefix + expected, method
         assert torch.isfinite(final).all(), method
         if method != "conv":
@@ -220,7 +221,7 @@ def _timm_to_hf_vit(timm_model: nn.Module) -> nn.Module:
     return hf
 
 
-@pytest.mark.parametrize("method", ["wkmedoids", "powerbert", "merge", "inputmerge"])
+@pytest.mark.parametrize("method", ["wkmedoids", "powerbert", "merge", "inputmerge", "entrymerge"])
 def test_timm_and_hugging_face_vit_agree(method: str, images: Tensor) -> None:
     timm_model = HOSTS["timm_cls"][0]()
     hf_model = _timm_to_hf_vit(timm_model)
@@ -235,7 +236,8 @@ def test_timm_and_hugging_face_vit_agree(method: str, images: Tensor) -> None:
         a = timm_model.forward_features(images)
         b = hf_model(pixel_values=images).last_hidden_state
     assert plain < 1e-4  # the conversion is right before any pooling
-    assert a.shape == b.shape == (2, 1 + 2, 48)
+    # 16 patches halved by each of 3 blocks; entrymerge halves them once more before the first
+    assert a.shape == b.shape == (2, 1 + (1 if method == "entrymerge" else 2), 48)
     assert (a - b).abs().max() < 1e-4
 
 

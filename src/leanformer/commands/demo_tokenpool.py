@@ -34,6 +34,7 @@ _METHODS = [
     "merge",
     "stepmerge",
     "inputmerge",
+    "entrymerge",
 ]
 
 FASHION_SWEEP: dict[str, Any] = {

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from leanformer.layers.budgets import KeepLike, KeepSchedule, parse_keep
 from leanformer.layers.pooling_state import ReducePosition, TokenPooling
-from leanformer.layers.reducer import TokenReducer, reduce_tokens
+from leanformer.layers.reducer import BEFORE_ATTENTION, TokenReducer, reduce_tokens
 from leanformer.layers.token_pooling import build_reducers, method_reduce_at
 
 Override = tuple[nn.Module, str, Any]  # set on the instance, deleted to undo
@@ -139,9 +139,13 @@ class _PooledForward:
         self.check_call(args, kwargs)
         pooling = self.pooling
         sizes = None if self.index == 0 else pooling.sizes
-        x, sizes = pooled_block_forward(
-            self.parts, x, sizes, pooling.reducer(self.index), pooling.num_prefix, pooling.reduce_at
-        )
+        reducer, reduce_at = pooling.reducer(self.index), pooling.reduce_at
+        if reduce_at == "entry":
+            if self.index == 0 and reducer is not None:
+                # The entry step: the embedded patches, on the first block's budget.
+                x, sizes = reduce_tokens(reducer, x, sizes, None, pooling.num_prefix)
+            reduce_at = "attn"
+        x, sizes = pooled_block_forward(self.parts, x, sizes, reducer, pooling.num_prefix, reduce_at)
         pooling.sizes = sizes
         return x
 
@@ -212,11 +216,11 @@ def install_reducers(
     check_unpatched(host)
     if len(reducers) != len(host.blocks):
         raise ValueError(f"got {len(reducers)} reducers for a model with {len(host.blocks)} blocks")
-    if reduce_at == "input" and any(getattr(r, "needs_received", False) for r in reducers):
+    if reduce_at in BEFORE_ATTENTION and any(getattr(r, "needs_received", False) for r in reducers):
         raise ValueError(
-            "reduce_at='input' places reducers before the attention, where no attention scores "
-            "exist yet: methods that need them (weighted clusterings, top-K initial centres, "
-            "powerbert, importance) cannot reduce there"
+            f"reduce_at={reduce_at!r} places reducers before an attention, where no attention "
+            "scores exist yet: methods that need them (weighted clusterings, top-K initial "
+            "centres, powerbert, importance) cannot reduce there"
         )
     pooling = TokenPooling(
         reducers,

@@ -18,9 +18,20 @@ from torch import Tensor
 # Where a block's reducer sits: between its attention and its MLP (PoWER-BERT, Token
 # Pooling: the MLP already runs on fewer tokens), after its MLP, or at its input, before
 # its attention (``inputmerge``: the first block's attention already runs on fewer
-# tokens; the block's own attention scores do not exist yet there).
-ReducePosition = Literal["attn", "mlp", "input"]
-REDUCE_POSITIONS: tuple[ReducePosition, ...] = ("attn", "mlp", "input")
+# tokens; the block's own attention scores do not exist yet there). ``entry`` is
+# between attention and MLP with one more step at the first block's input, on its
+# budget (``entrymerge``: the patch embeddings are merged once before any attention).
+ReducePosition = Literal["attn", "mlp", "input", "entry"]
+REDUCE_POSITIONS: tuple[ReducePosition, ...] = ("attn", "mlp", "input", "entry")
+# Positions where a reducer runs before an attention, so no attention scores exist yet.
+BEFORE_ATTENTION: tuple[ReducePosition, ...] = ("input", "entry")
+# Each position in words, for error messages.
+REDUCE_POSITION_WORDS: dict[ReducePosition, str] = {
+    "attn": "between each block's attention and MLP",
+    "mlp": "after each block's MLP",
+    "input": "at each block's input",
+    "entry": "after each block's attention and once before the first block",
+}
 
 
 @runtime_checkable

@@ -19,6 +19,7 @@ Methods (``method=`` of :func:`build_reducers`, ``pool=`` of the DeiT models):
 ``merge``       ToMe-style bipartite soft matching (size-weighted merges)
 ``stepmerge``   bipartite merging in rounds of at most a quarter of the tokens
 ``inputmerge``  ``merge`` at each block's input, before its attention (the first block's too)
+``entrymerge``  ``merge``, and one more merge of the embedded patches before the first block
 ``none``        no reduction
 ==============  ===========================================================================
 
@@ -43,7 +44,7 @@ from torch import Tensor, nn
 
 from leanformer.layers.budgets import Budget, KeepLike, budget_to_count, parse_keep
 from leanformer.layers.checks import as_int
-from leanformer.layers.reducer import ReducePosition
+from leanformer.layers.reducer import REDUCE_POSITION_WORDS, ReducePosition
 from leanformer.ops.clustering import (
     InitMode,
     cluster_mean,
@@ -460,6 +461,12 @@ METHODS: dict[str, PoolingMethod] = {
             reduce_at="input",
         ),
         PoolingMethod(
+            "entrymerge",
+            "ToMe bipartite soft matching after each attention, and once before the first block",
+            _merge(0.5),
+            reduce_at="entry",
+        ),
+        PoolingMethod(
             "conv", "learned 2x2 stride-2 conv on the token grid", None, ("layers",), build=_build_conv
         ),
         PoolingMethod("none", "no reduction", None, build=_no_reducers),
@@ -489,7 +496,7 @@ def method_reduce_at(method: str, reduce_at: ReducePosition | None) -> ReducePos
         return "attn" if reduce_at is None else reduce_at
     if reduce_at is not None and reduce_at != spec.reduce_at:
         raise ValueError(
-            f"pooling method {method!r} reduces at each block's {spec.reduce_at}; "
+            f"pooling method {method!r} reduces {REDUCE_POSITION_WORDS[spec.reduce_at]}; "
             f"reduce_at={reduce_at!r} does not apply to it (leave reduce_at unset)"
         )
     return spec.reduce_at

@@ -66,9 +66,11 @@ def apply_token_pooling(
     ``model.token_pooling.keep = ...``. ``method``: any name of
     :func:`leanformer.layers.token_pooling.list_methods`. ``carry``: track token sizes
     and weigh keys (and an average or attention pool) by them. ``reduce_at``: where each
-    block reduces, ``"attn"`` (between attention and MLP, the default) or ``"mlp"``
-    (after the MLP); ``inputmerge`` always reduces at each block's input. Prefix tokens
-    (class, distillation, registers) are never pooled. Returns the model.
+    block reduces, ``"attn"`` (between attention and MLP, the default), ``"mlp"`` (after
+    the MLP), ``"input"`` (before the attention) or ``"entry"`` (as ``"attn"``, with one
+    more step on the first block's budget before its attention); ``inputmerge`` always
+    reduces at ``"input"`` and ``entrymerge`` at ``"entry"``. Prefix tokens (class,
+    distillation, registers) are never pooled. Returns the model.
     """
     return install(adapt(model), keep=keep, method=method, carry=carry, reduce_at=reduce_at, **options)
 

@@ -1,0 +1,185 @@
+"""``inputmerge`` and ``entrymerge``: ToMe's bipartite merging placed before an attention.
+
+``inputmerge`` merges at each block's input, before its attention; ``entrymerge`` merges
+the embedded patches once before the first block (on that block's budget), then after
+each block's attention as ``merge`` does. The patched model is compared with the same
+computation written out by hand: the timm blocks' own weights, attention as an explicit
+softmax with the ``log(size)`` key bias, and the merges where each method places them.
+Also: identity at keep-all, batched == per-example, gradients against the reference,
+torch.compile, and the errors for places a method cannot reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pytest
+import timm
+import torch
+from torch import Tensor, nn
+
+import leanformer
+from leanformer.layers.budgets import Budget, budget_to_count
+from leanformer.layers.token_pooling import build_reducers
+from leanformer.models.registry import create_model
+from leanformer.ops.clustering import weighted_segment_mean
+from leanformer.ops.merging import bipartite_merge_plan
+from leanformer.patch.timm import apply_reducers
+
+KEEP = 0.6
+# method -> the place it reduces at
+PLACES = {"inputmerge": "input", "entrymerge": "entry"}
+METHODS = list(PLACES)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = create_model("deit_test", depth=3, img_size=32).double().eval()
+    with torch.no_grad():  # peaked weights, so a misplaced merge changes the output clearly
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return model
+
+
+def _attention(block: nn.Module, x: Tensor, sizes: Tensor) -> Tensor:
+    attn = block.attn
+    B, N, C = x.shape
+    h = attn.num_heads
+    q, k, v = attn.qkv(x).reshape(B, N, 3, h, C // h).permute(2, 0, 3, 1, 4)
+    logits = (q @ k.transpose(-2, -1)) / math.sqrt(C // h) + sizes.log()[:, None, None, :]
+    out = logits.softmax(dim=-1) @ v
+    return attn.proj(out.transpose(1, 2).reshape(B, N, C))
+
+
+def _merged(x: Tensor, sizes: Tensor, budget: Budget) -> tuple[Tensor, Tensor]:
+    """Bipartite merging of every token but the class token down to the budget's count."""
+    patches, patch_sizes = x[:, 1:], sizes[:, 1:]
+    k = budget_to_count(budget, patches.shape[1])
+    assign = bipartite_merge_plan(patches, k, sizes=patch_sizes)
+    patches, patch_sizes = weighted_segment_mean(patches, patch_sizes, assign, k)
+    return torch.cat([x[:, :1], patches], dim=1), torch.cat([sizes[:, :1], patch_sizes], dim=1)
+
+
+def _reference(model: nn.Module, images: Tensor, method: str, keep: float | Sequence[Budget]) -> Tensor:
+    """The model's logits with ``method``'s merges written out, sizes carried:
+    ``inputmerge`` merges before every block's attention; ``entrymerge`` before the first
+    block (on its budget) and then after every block's attention."""
+    budgets = [keep] * len(model.blocks) if isinstance(keep, float) else list(keep)
+    x = model.norm_pre(model._pos_embed(model.patch_embed(images)))
+    sizes = x.new_ones(x.shape[:2])
+    if method == "entrymerge":
+        x, sizes = _merged(x, sizes, budgets[0])
+    for block, budget in zip(model.blocks, budgets, strict=True):
+        if method == "inputmerge":
+            x, sizes = _merged(x, sizes, budget)
+        x = x + _attention(block, block.norm1(x), sizes)
+        if method == "entrymerge":
+            x, sizes = _merged(x, sizes, budget)
+        x = x + block.mlp(block.norm2(x))
+    return model.forward_head(model.norm(x))
+
+
+def _images(batch: int = 3) -> Tensor:
+    return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+# 64 patches at a keep ratio of 0.6. inputmerge: 38 reach the first attention, then 23
+# and 14 (a ToMe-style merge would run the first attention on all 64). entrymerge: 38
+# reach the first attention, then 23, 14 and 8 after the three attentions. With token
+# counts, entrymerge's first block meets its count before its attention and merges
+# nothing after it.
+@pytest.mark.parametrize(
+    ("method", "keep", "tokens_out"),
+    [
+        ("inputmerge", KEEP, 14),
+        ("entrymerge", KEEP, 8),
+        ("inputmerge", [40, 30, 12], 12),
+        ("entrymerge", [40, 30, 12], 12),
+    ],
+)
+def test_matches_the_merges_written_out_by_hand(
+    method: str, keep: float | list[int], tokens_out: int
+) -> None:
+    model = _model()
+    images = _images()
+    with torch.no_grad():
+        expected = _reference(model, images, method, keep)
+        plain = model(images)
+        leanformer.apply_token_pooling(model, keep=keep, method=method, carry=True)
+        got = model(images)
+    assert model.token_pooling.reduce_at == PLACES[method]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+    assert (got - plain).abs().max() > 1e-3  # the merges really changed the result
+    assert model.token_pooling.sizes.shape == (3, 1 + tokens_out)
+
+
+def test_each_placement_differs_from_merge_and_from_the_other() -> None:
+    images = _images()
+    with torch.no_grad():
+        outputs = [
+            leanformer.apply_token_pooling(_model(), keep=KEEP, method=m, carry=True)(images)
+            for m in ("merge", *METHODS)
+        ]
+    for i in range(len(outputs)):
+        for j in range(i):
+            assert (outputs[i] - outputs[j]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gradients_match_the_reference(method: str) -> None:
+    model = _model()
+    images = _images().requires_grad_(True)
+    (g_ref,) = torch.autograd.grad(_reference(model, images, method, KEEP).square().sum(), images)
+    leanformer.apply_token_pooling(model, keep=KEEP, method=method, carry=True)
+    (g,) = torch.autograd.grad(model(images).square().sum(), images)
+    torch.testing.assert_close(g, g_ref, rtol=0, atol=1e-9)
+    assert g.abs().max() > 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_keep_all_is_the_plain_model_and_batched_equals_per_example(method: str) -> None:
+    images = _images(4)
+    model = _model()
+    with torch.no_grad():
+        plain = model(images)
+        leanformer.apply_token_pooling(model, keep=1.0, method=method, carry=True)
+        torch.testing.assert_close(model(images), plain, rtol=0, atol=1e-12)
+        model.token_pooling.keep = KEEP
+        batched = model(images)
+        single = torch.cat([model(images[i : i + 1]) for i in range(len(images))])
+    torch.testing.assert_close(batched, single, rtol=0, atol=1e-10)
+
+
+def test_places_a_method_cannot_reduce_at_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"inputmerge.*reduces at each block's input.*reduce_at='mlp'"):
+        leanformer.apply_token_pooling(_model(), keep=0.5, method="inputmerge", reduce_at="mlp")
+    entry_words = "reduces after each block's attention and once before the first block"
+    with pytest.raises(ValueError, match=rf"entrymerge.*{entry_words}.*reduce_at='input'"):
+        leanformer.apply_token_pooling(_model(), keep=0.5, method="entrymerge", reduce_at="input")
+    with pytest.raises(ValueError, match="reduce_at must be one of attn, mlp, input, entry"):
+        leanformer.apply_token_pooling(_model(), keep=0.5, method="merge", reduce_at="before")  # type: ignore[arg-type]
+    reducers = build_reducers(
+        method="wkmedoids", keep=0.5, depth=3, num_tokens=64, dim=32, grid_size=(8, 8), carry=True
+    )
+    for place in ("input", "entry"):
+        with pytest.raises(ValueError, match=f"reduce_at='{place}'.*no attention scores exist yet"):
+            apply_reducers(_model(), reducers, reduce_at=place)  # type: ignore[arg-type]
+    # the same places, asked for explicitly, are accepted
+    for method, place in PLACES.items():
+        leanformer.apply_token_pooling(_model(), keep=0.5, method=method, reduce_at=place)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_compiles_fullgraph_and_matches_eager_through_the_timm_patch(method: str) -> None:
+    torch.manual_seed(0)
+    tiny = {"depth": 3, "img_size": 64, "patch_size": 8, "embed_dim": 48, "num_classes": 5}
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, **tiny).eval()
+    leanformer.apply_token_pooling(model, keep=KEEP, method=method, carry=True)
+    x = torch.randn(3, 3, 64, 64)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
