@@ -151,6 +151,36 @@ def test_keep_all_is_the_plain_model_and_batched_equals_per_example(method: str)
     torch.testing.assert_close(batched, single, rtol=0, atol=1e-10)
 
 
+def _first_block_plan(model: nn.Module, images: Tensor, method: str) -> Tensor:
+    """``[B, 64]``: the token of the first block's output that each patch went into, by hand."""
+    x = model.norm_pre(model._pos_embed(model.patch_embed(images)))
+    sizes = x.new_ones(x.shape[:2])
+    patches = x[:, 1:]
+    first = bipartite_merge_plan(patches, budget_to_count(KEEP, patches.shape[1]))
+    if method == "inputmerge":
+        return first
+    x, sizes = _merged(x, sizes, KEEP)
+    x = x + _attention(model.blocks[0], model.blocks[0].norm1(x), sizes)
+    second = bipartite_merge_plan(x[:, 1:], budget_to_count(KEEP, x.shape[1] - 1), sizes=sizes[:, 1:])
+    return torch.stack([second[b, first[b]] for b in range(len(first))])  # slow and plain
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_first_blocks_record_maps_every_patch_to_its_output_token(method: str) -> None:
+    model = _model()
+    images = _images()
+    with torch.no_grad():
+        expected = _first_block_plan(model, images, method)
+        leanformer.apply_token_pooling(model, keep=KEEP, method=method, carry=True)
+        reducer = model.token_pooling.reducer(0)
+        reducer.record = True
+        model(images)
+    assert reducer.last_assign.shape == (3, 64)
+    torch.testing.assert_close(reducer.last_assign, expected, rtol=0, atol=0)
+    # entrymerge: 64 patches -> 38 before the attention -> 23 after it
+    assert int(reducer.last_assign.max()) == (37 if method == "inputmerge" else 22)
+
+
 def test_places_a_method_cannot_reduce_at_are_refused() -> None:
     with pytest.raises(ValueError, match=r"inputmerge.*reduces at each block's input.*reduce_at='mlp'"):
         leanformer.apply_token_pooling(_model(), keep=0.5, method="inputmerge", reduce_at="mlp")

@@ -217,8 +217,32 @@ def test_demo_preset_file_matches_demo() -> None:
     fashion = yaml.safe_load((REPO / "configs" / "tradeoff_fashion.yaml").read_text())
     demo = demo_tokenpool.FASHION_SWEEP
     assert demo["model"] == fashion["model"] and demo["methods"] == fashion["methods"]
-    assert set(demo["budgets"]) <= set(fashion["budgets"]) and demo["tome_r"] == fashion["tome_r"]
-    assert demo["data"]["limit_test"] == 2000
+    assert demo["tome_r"] == fashion["tome_r"] and demo["data"]["limit_test"] == 2000
+    # ... at GFLOPs budgets, so its columns and its ranking compare methods at equal cost
+    assert demo["budgets"] == [{"gflops": g} for g in (0.9, 0.7, 0.5, 0.35)]
+    sweep_config_from_dict(demo)  # valid
+
+
+def _row(method: str, keep_value: object, top1: float) -> dict[str, object]:
+    return {"method": method, "keep_value": keep_value, "top1": top1}
+
+
+def test_demo_ranks_methods_only_at_equal_gflops() -> None:
+    rows = [
+        _row("none", None, 90.0),
+        _row("merge", {"gflops": 0.5, "tilt": 0.0}, 87.0),
+        _row("merge", {"gflops": 0.35, "tilt": 0.0}, 85.0),
+        _row("kmeans", {"gflops": 0.5, "tilt": 0.0}, 86.0),
+        _row("kmeans", {"gflops": 0.35, "tilt": 0.0}, 84.5),
+        _row("tome", {"r": 31}, 99.0),  # ToMe's own form is not at a GFLOPs budget
+    ]
+    line = demo_tokenpool._ranking_line(rows)
+    assert line == (
+        "mean top-1 at equal GFLOPs (0.5x, 0.35x of the unpooled model's): merge 86.00, kmeans 85.25"
+    )
+    # keep ratios cost each method differently: no ranking, and the line says why
+    ratio_rows = [_row("merge", 0.8, 87.0), _row("kmeans", 0.8, 88.0)]
+    assert "compare the methods along the GFLOPs axis" in demo_tokenpool._ranking_line(ratio_rows)
 
 
 def test_tradeoff_unknown_preset() -> None:

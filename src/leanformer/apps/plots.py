@@ -15,7 +15,22 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import hsv_to_rgb
 from matplotlib.figure import Figure
 
-_MARKERS = "osD^v<>ph*X"
+_MARKERS = "osD^v<>phXPd"
+_COLOURS = [f"C{i}" for i in range(10)]  # matplotlib's default cycle (tab10)
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
+def line_styles(n: int) -> list[dict[str, str]]:
+    """``n`` distinct line styles: the ten default colours, then the same colours dashed (then
+    dotted ...) with other markers, so a sweep of more than ten methods has no two alike."""
+    return [
+        {
+            "color": _COLOURS[j % len(_COLOURS)],
+            "linestyle": _LINESTYLES[(j // len(_COLOURS)) % len(_LINESTYLES)],
+            "marker": _MARKERS[(j + j // len(_COLOURS)) % len(_MARKERS)],
+        }
+        for j in range(n)
+    ]
 
 
 def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
@@ -26,9 +41,10 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str | Path, *, title: st
     fig = Figure(figsize=(5.2 * len(axes_keys), 4.2), constrained_layout=True)
     FigureCanvasAgg(fig)
     methods = list(dict.fromkeys(r["method"] for r in rows))
+    styles = dict(zip([m for m in methods if m != "none"], line_styles(len(methods)), strict=False))
     for col, (key, label) in enumerate(axes_keys):
         ax = fig.add_subplot(1, len(axes_keys), col + 1)
-        for i, method in enumerate(methods):
+        for method in methods:
             # Connect a method's points in budget (GFLOPs) order on both axes, so noisy
             # timings show as a kink rather than reordering the curve.
             pts = sorted((r["gflops"], r[key], r["top1"]) for r in rows if r["method"] == method)
@@ -37,7 +53,7 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str | Path, *, title: st
                 ax.plot(xs, ys, "k*", markersize=13, label="none (unpooled)", zorder=5)
                 ax.axhline(ys[0], color="k", linestyle=":", linewidth=0.8, alpha=0.6)
             else:
-                ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], linewidth=1.4, markersize=5, label=method)
+                ax.plot(xs, ys, linewidth=1.4, markersize=5, label=method, **styles[method])
         style_accuracy_axis(ax, label, legend=col == 0, legend_loc="best")
     return save_figure(fig, path, title)
 

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from leanformer.layers.budgets import KeepLike, KeepSchedule, parse_keep
 from leanformer.layers.pooling_state import ReducePosition, TokenPooling
-from leanformer.layers.reducer import BEFORE_ATTENTION, TokenReducer, reduce_tokens
+from leanformer.layers.reducer import BEFORE_ATTENTION, TokenReducer, compose_assignments, reduce_tokens
 from leanformer.layers.token_pooling import build_reducers, method_reduce_at
 
 Override = tuple[nn.Module, str, Any]  # set on the instance, deleted to undo
@@ -140,12 +140,18 @@ class _PooledForward:
         pooling = self.pooling
         sizes = None if self.index == 0 else pooling.sizes
         reducer, reduce_at = pooling.reducer(self.index), pooling.reduce_at
+        entry_assign = None
         if reduce_at == "entry":
             if self.index == 0 and reducer is not None:
                 # The entry step: the embedded patches, on the first block's budget.
                 x, sizes = reduce_tokens(reducer, x, sizes, None, pooling.num_prefix)
+                if getattr(reducer, "record", False):
+                    entry_assign = reducer.last_assign  # type: ignore[attr-defined]
             reduce_at = "attn"
         x, sizes = pooled_block_forward(self.parts, x, sizes, reducer, pooling.num_prefix, reduce_at)
+        if entry_assign is not None:
+            # The first block's reducer ran twice; its record maps each patch through both.
+            reducer.last_assign = compose_assignments(entry_assign, reducer.last_assign)  # type: ignore[union-attr]
         pooling.sizes = sizes
         return x
 

@@ -66,3 +66,10 @@ def reduce_tokens(
         else sizes[:, :num_prefix]
     )
     return x, torch.cat([prefix_sizes, tok_sizes], dim=1)
+
+
+def compose_assignments(first: Tensor, second: Tensor) -> Tensor:
+    """Where each token went through two reductions in a row: ``first [B, N0]`` maps into the
+    ``N1`` tokens that ``second [B, N1]`` maps on; -1 (dropped) in either stays -1."""
+    through = second.gather(1, first.clamp(min=0))
+    return through.masked_fill(first < 0, -1)
