@@ -149,6 +149,31 @@ def test_demo_group_has_a_default() -> None:
     assert args._module.COMMAND == ("demo", "tokenpool")
 
 
+def test_the_default_demo_takes_its_options_without_its_name(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from leanformer.commands import demo_tokenpool
+
+    seen: list[object] = []
+    monkeypatch.setattr(demo_tokenpool, "run", lambda args: seen.append(args) or [])
+    assert main(["demo", "--data", "digits", "--no-throughput", "--seed", "3"]) == 0
+    assert main(["demo"]) == 0
+    assert main(["demo", "--threads", "1", "tokenpool", "--epochs", "2"]) == 0
+    typed, bare, named = seen
+    assert (typed.data, typed.no_throughput, typed.seed) == ("digits", True, 3)  # type: ignore[attr-defined]
+    assert (bare.data, bare.no_throughput, bare.seed) == ("auto", False, 0)  # type: ignore[attr-defined]
+    assert (named.threads, named.epochs) == (1, 2)  # type: ignore[attr-defined]
+    capsys.readouterr()
+    # help for the group still lists its demos; a wrong option is still one line
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "perceiver" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        main(["demo", "--bogus"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == "leanformer: error: unrecognized arguments: --bogus"
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_unavailable_or_bad_device_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--model", "deit_test", "--device", "cuda"]) == 2

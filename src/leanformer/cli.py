@@ -152,9 +152,24 @@ def main(argv: list[str] | None = None) -> int:
         return _run_command(argv)
 
 
+def with_default_command(words: list[str]) -> list[str]:
+    """``leanformer demo [options]`` is ``leanformer demo tokenpool [options]``: a group that
+    names a default runs it, with every option typed, unless a command is named or help is
+    asked for (``leanformer demo --help`` lists the group's commands)."""
+    if not words:
+        return words
+    modules = [m for m in discover() if len(m.COMMAND) == 2 and m.COMMAND[0] == words[0]]
+    default = _default_of(modules)
+    rest = set(words[1:])
+    if default is None or rest & {m.COMMAND[1] for m in modules} or rest & {"-h", "--help"}:
+        return words
+    return [words[0], default.COMMAND[1], *words[1:]]
+
+
 def _run_command(argv: list[str] | None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    words = with_default_command(list(sys.argv[1:] if argv is None else argv))
+    args, extra = parser.parse_known_args(words)
     module: ModuleType | None = getattr(args, "_module", None)
     if module is None:
         getattr(args, "_group_parser", parser).print_help()
@@ -163,14 +178,7 @@ def _run_command(argv: list[str] | None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra = extra
     # Which common options were typed: a config file's seed/device wins over their defaults.
-    words = sys.argv[1:] if argv is None else argv
     args.given_options = {w.split("=", 1)[0] for w in words if w.startswith("--")}
-    if getattr(args, "_group", None) and getattr(args, "name", None) is None:
-        # `leanformer demo` alone runs the group's default; its own options keep their defaults.
-        sub = build_parser().parse_args([args._group, module.COMMAND[1], *_common_argv(args)])
-        sub.extra = []
-        sub.given_options = args.given_options
-        args = sub
     try:
         if args.threads is not None:
             if not 1 <= args.threads <= 1024:
@@ -229,17 +237,6 @@ def _reader_gone() -> int:
     except (AttributeError, OSError, ValueError):
         pass  # stdout is not a real file (e.g. captured): nothing will flush to the pipe
     return 141
-
-
-def _common_argv(args: argparse.Namespace) -> list[str]:
-    argv = ["--device", args.device, "--seed", str(args.seed)]
-    if args.json:
-        argv.append("--json")
-    if args.quiet:
-        argv.append("--quiet")
-    if args.threads is not None:
-        argv += ["--threads", str(args.threads)]
-    return argv
 
 
 if __name__ == "__main__":
