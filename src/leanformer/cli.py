@@ -45,6 +45,8 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, **kwargs)
+        # group -> (its default command's name, all its command names); set by build_parser
+        self.default_commands: dict[str, tuple[str, frozenset[str]]] = {}
 
     def error(self, message: str) -> None:  # type: ignore[override]
         # argparse's usage block is noise for one wrong flag: one line, exit 2.
@@ -57,7 +59,7 @@ def _default_of(modules: list[ModuleType]) -> ModuleType | None:
     return marked[0] if marked else None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     parser = _Parser(
         prog="leanformer", description="Token reduction for transformers, measured side by side."
     )
@@ -75,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
             groups.setdefault(path[0], []).append(module)
     for group, modules in groups.items():
         default = _default_of(modules)
+        if default is not None:
+            parser.default_commands[group] = (default.COMMAND[1], frozenset(m.COMMAND[1] for m in modules))
         names = ", ".join(m.COMMAND[1] for m in modules)
         gparser = top.add_parser(group, help=f"{group} ({names})", description=f"{group}: {names}")
         add_common_arguments(gparser)
@@ -152,23 +156,22 @@ def main(argv: list[str] | None = None) -> int:
         return _run_command(argv)
 
 
-def with_default_command(words: list[str]) -> list[str]:
+def with_default_command(parser: _Parser, words: list[str]) -> list[str]:
     """``leanformer demo [options]`` is ``leanformer demo tokenpool [options]``: a group that
     names a default runs it, with every option typed, unless a command is named or help is
     asked for (``leanformer demo --help`` lists the group's commands)."""
-    if not words:
+    if not words or words[0] not in parser.default_commands:
         return words
-    modules = [m for m in discover() if len(m.COMMAND) == 2 and m.COMMAND[0] == words[0]]
-    default = _default_of(modules)
+    default, names = parser.default_commands[words[0]]
     rest = set(words[1:])
-    if default is None or rest & {m.COMMAND[1] for m in modules} or rest & {"-h", "--help"}:
+    if rest & names or rest & {"-h", "--help"}:
         return words
-    return [words[0], default.COMMAND[1], *words[1:]]
+    return [words[0], default, *words[1:]]
 
 
 def _run_command(argv: list[str] | None) -> int:
     parser = build_parser()
-    words = with_default_command(list(sys.argv[1:] if argv is None else argv))
+    words = with_default_command(parser, list(sys.argv[1:] if argv is None else argv))
     args, extra = parser.parse_known_args(words)
     module: ModuleType | None = getattr(args, "_module", None)
     if module is None:

@@ -41,7 +41,8 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str | Path, *, title: st
     fig = Figure(figsize=(5.2 * len(axes_keys), 4.2), constrained_layout=True)
     FigureCanvasAgg(fig)
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    styles = dict(zip([m for m in methods if m != "none"], line_styles(len(methods)), strict=False))
+    reduced = [m for m in methods if m != "none"]
+    styles = dict(zip(reduced, line_styles(len(reduced)), strict=True))
     for col, (key, label) in enumerate(axes_keys):
         ax = fig.add_subplot(1, len(axes_keys), col + 1)
         for method in methods:

@@ -179,8 +179,8 @@ def _ranking_line(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if r["method"] != "none" and is_gflops_budget(r.get("keep_value")):
             acc.setdefault(r["method"], []).append(r["top1"])
-            target = r["keep_value"]["gflops"]
-            targets += [] if target in targets else [target]
+            if r["keep_value"]["gflops"] not in targets:
+                targets.append(r["keep_value"]["gflops"])
     if not acc:
         return (
             "these budgets cost each method different GFLOPs: compare the methods along the "
