@@ -1,10 +1,11 @@
 """``inputmerge`` and ``entrymerge``: ToMe's bipartite merging placed before an attention.
 
 ``inputmerge`` merges at each block's input, before its attention; ``entrymerge`` merges
-the embedded patches once before the first block (on that block's budget), then after
-each block's attention as ``merge`` does. The patched model is compared with the same
-computation written out by hand: the timm blocks' own weights, attention as an explicit
-softmax with the ``log(size)`` key bias, and the merges where each method places them.
+the embedded patches once before the first block (on that block's budget, when the
+budget is tight), then after each block's attention as ``merge`` does. The patched
+model is compared with the same computation written out by hand: the timm blocks' own
+weights, attention as an explicit softmax with the ``log(size)`` key bias, and the
+merges where each method places them.
 Also: identity at keep-all, batched == per-example, gradients against the reference,
 torch.compile, and the errors for places a method cannot reduce.
 """
@@ -69,7 +70,7 @@ def _reference(model: nn.Module, images: Tensor, method: str, keep: float | Sequ
     x = model.norm_pre(model._pos_embed(model.patch_embed(images)))
     sizes = x.new_ones(x.shape[:2])
     if method == "entrymerge":
-        x, sizes = _merged(x, sizes, budgets[0])
+        x, sizes = _merged(x, sizes, _entry_count(x.shape[1] - 1, budgets))
     for block, budget in zip(model.blocks, budgets, strict=True):
         if method == "inputmerge":
             x, sizes = _merged(x, sizes, budget)
@@ -80,6 +81,21 @@ def _reference(model: nn.Module, images: Tensor, method: str, keep: float | Sequ
     return model.forward_head(model.norm(x))
 
 
+def _entry_count(n: int, budgets: Sequence[Budget]) -> int:
+    """entrymerge's step before the first block: the first block's count when the blocks'
+    budgets alone leave at most 38% of the ``n`` patches after the last block, none (all
+    ``n`` kept) from 46%, and linearly from one to the other in between."""
+    counts = [n]
+    for budget in budgets:
+        counts.append(budget_to_count(budget, counts[-1]))
+    left, first = counts[-1] / n, counts[1]
+    if left <= 0.38:
+        return first
+    if left >= 0.46:
+        return n
+    return math.floor(first + (left - 0.38) / (0.46 - 0.38) * (n - first) + 0.5)
+
+
 def _images(batch: int = 3) -> Tensor:
     return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
@@ -88,12 +104,14 @@ def _images(batch: int = 3) -> Tensor:
 # and 14 (a ToMe-style merge would run the first attention on all 64). entrymerge: 38
 # reach the first attention, then 23, 14 and 8 after the three attentions. With token
 # counts, entrymerge's first block meets its count before its attention and merges
-# nothing after it.
+# nothing after it. At 0.75 the blocks alone leave 27 of 64 (42%): the entry step keeps
+# 56, between 48 (the first block's count) and 64; then 42, 32 and 24.
 @pytest.mark.parametrize(
     ("method", "keep", "tokens_out"),
     [
         ("inputmerge", KEEP, 14),
         ("entrymerge", KEEP, 8),
+        ("entrymerge", 0.75, 24),
         ("inputmerge", [40, 30, 12], 12),
         ("entrymerge", [40, 30, 12], 12),
     ],
@@ -112,6 +130,37 @@ def test_matches_the_merges_written_out_by_hand(
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
     assert (got - plain).abs().max() > 1e-3  # the merges really changed the result
     assert model.token_pooling.sizes.shape == (3, 1 + tokens_out)
+
+
+def test_entry_count_by_hand() -> None:
+    # 64 patches; the blocks leave 27 (0.75 per block, three blocks): 42% of them.
+    assert _entry_count(64, [0.75] * 3) == 56
+    assert _entry_count(64, [0.6] * 3) == 38  # 14 left (22%): the first block's count
+    assert _entry_count(64, [0.9] * 3) == 64  # 47 left (73%): no entry step
+
+
+def test_a_loose_budget_is_merge_exactly() -> None:
+    """Where the blocks alone leave 46% of the patches or more, entrymerge is merge, to the bit."""
+    images = _images()
+    with torch.no_grad():
+        merged = leanformer.apply_token_pooling(_model(), keep=0.9, method="merge", carry=True)(images)
+        model = leanformer.apply_token_pooling(_model(), keep=0.9, method="entrymerge", carry=True)
+        entry = model(images)
+        plain = _model()(images)
+    assert torch.equal(entry, merged)
+    assert (entry - plain).abs().max() > 1e-3
+    assert model.token_pooling.sizes.shape == (3, 1 + 47)  # 64 -> 58 -> 52 -> 47
+
+
+def test_entry_needs_reducers_with_a_known_count() -> None:
+    class Halve(nn.Module):
+        needs_received = False
+
+        def forward(self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None):
+            return tokens[:, ::2], None if sizes is None else sizes[:, ::2]
+
+    with pytest.raises(ValueError, match=r"reduce_at='entry' .* output_count\(n\) and a count= argument"):
+        apply_reducers(_model(), [Halve(), None, None], reduce_at="entry")
 
 
 def test_each_placement_differs_from_merge_and_from_the_other() -> None:
@@ -184,7 +233,9 @@ def test_the_first_blocks_record_maps_every_patch_to_its_output_token(method: st
 def test_places_a_method_cannot_reduce_at_are_refused() -> None:
     with pytest.raises(ValueError, match=r"inputmerge.*reduces at each block's input.*reduce_at='mlp'"):
         leanformer.apply_token_pooling(_model(), keep=0.5, method="inputmerge", reduce_at="mlp")
-    entry_words = "reduces after each block's attention and once before the first block"
+    entry_words = (
+        "reduces after each block's attention and, when the budget is tight, once before the first block"
+    )
     with pytest.raises(ValueError, match=rf"entrymerge.*{entry_words}.*reduce_at='input'"):
         leanformer.apply_token_pooling(_model(), keep=0.5, method="entrymerge", reduce_at="input")
     with pytest.raises(ValueError, match="reduce_at must be one of attn, mlp, input, entry"):
@@ -201,12 +252,13 @@ def test_places_a_method_cannot_reduce_at_are_refused() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
-def test_compiles_fullgraph_and_matches_eager_through_the_timm_patch(method: str) -> None:
+# entrymerge at 0.75: a partial step before the first block (56 of 64 patches kept).
+@pytest.mark.parametrize(("method", "keep"), [*((m, KEEP) for m in METHODS), ("entrymerge", 0.75)])
+def test_compiles_fullgraph_and_matches_eager_through_the_timm_patch(method: str, keep: float) -> None:
     torch.manual_seed(0)
     tiny = {"depth": 3, "img_size": 64, "patch_size": 8, "embed_dim": 48, "num_classes": 5}
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, **tiny).eval()
-    leanformer.apply_token_pooling(model, keep=KEEP, method=method, carry=True)
+    leanformer.apply_token_pooling(model, keep=keep, method=method, carry=True)
     x = torch.randn(3, 3, 64, 64)
     torch._dynamo.reset()
     with torch.no_grad():

@@ -27,7 +27,13 @@ from torch import Tensor, nn
 
 from leanformer.layers.budgets import KeepLike, KeepSchedule, parse_keep
 from leanformer.layers.pooling_state import ReducePosition, TokenPooling
-from leanformer.layers.reducer import BEFORE_ATTENTION, TokenReducer, compose_assignments, reduce_tokens
+from leanformer.layers.reducer import (
+    BEFORE_ATTENTION,
+    BudgetedReducer,
+    TokenReducer,
+    compose_assignments,
+    reduce_tokens,
+)
 from leanformer.layers.token_pooling import build_reducers, method_reduce_at
 
 Override = tuple[nn.Module, str, Any]  # set on the instance, deleted to undo
@@ -142,9 +148,10 @@ class _PooledForward:
         reducer, reduce_at = pooling.reducer(self.index), pooling.reduce_at
         entry_assign = None
         if reduce_at == "entry":
-            if self.index == 0 and reducer is not None:
-                # The entry step: the embedded patches, on the first block's budget.
-                x, sizes = reduce_tokens(reducer, x, sizes, None, pooling.num_prefix)
+            patches = x.shape[1] - pooling.num_prefix
+            if self.index == 0 and reducer is not None and (count := pooling.entry_count(patches)) < patches:
+                # The entry step: the embedded patches, before the first attention.
+                x, sizes = reduce_tokens(reducer, x, sizes, None, pooling.num_prefix, count=count)
                 if getattr(reducer, "record", False):
                     entry_assign = reducer.last_assign  # type: ignore[attr-defined]
             reduce_at = "attn"
@@ -222,6 +229,12 @@ def install_reducers(
     check_unpatched(host)
     if len(reducers) != len(host.blocks):
         raise ValueError(f"got {len(reducers)} reducers for a model with {len(host.blocks)} blocks")
+    if reduce_at == "entry" and not all(r is None or isinstance(r, BudgetedReducer) for r in reducers):
+        raise ValueError(
+            "reduce_at='entry' sizes its step before the first block from what every block's "
+            "reducer keeps: it needs reducers with output_count(n) and a count= argument "
+            "(the built-in ones); use another reduce_at for these"
+        )
     if reduce_at in BEFORE_ATTENTION and any(getattr(r, "needs_received", False) for r in reducers):
         raise ValueError(
             f"reduce_at={reduce_at!r} places reducers before an attention, where no attention "

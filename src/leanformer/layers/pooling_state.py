@@ -16,7 +16,13 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.layers.budgets import KeepSchedule, parse_keep
-from leanformer.layers.reducer import REDUCE_POSITIONS, ReducePosition, TokenReducer
+from leanformer.layers.reducer import (
+    REDUCE_POSITIONS,
+    BudgetedReducer,
+    ReducePosition,
+    TokenReducer,
+    entry_count,
+)
 from leanformer.layers.token_pooling import build_reducers
 
 __all__ = ["ReducePosition", "TokenPooling"]
@@ -78,6 +84,16 @@ class TokenPooling(nn.Module):
         key = str(index)
         # Every entry passed the TokenReducer check in _as_module_dict.
         return cast(TokenReducer, self.reducers[key]) if key in self.reducers else None
+
+    def entry_count(self, n: int) -> int:
+        """Patch tokens the ``entry`` step keeps of ``n`` (:func:`~leanformer.layers.reducer.entry_count`),
+        from what the blocks' reducers keep without it."""
+        counts = [n]
+        for i in range(self.depth):
+            reducer = self.reducer(i)
+            if reducer is not None:
+                counts.append(cast(BudgetedReducer, reducer).output_count(counts[-1]))
+        return entry_count(n, first=counts[1] if self.reducer(0) is not None else n, last=counts[-1])
 
     @property
     def sizes(self) -> Tensor | None:

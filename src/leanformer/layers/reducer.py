@@ -10,7 +10,7 @@ ask for it).
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, cast, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -19,8 +19,9 @@ from torch import Tensor
 # Pooling: the MLP already runs on fewer tokens), after its MLP, or at its input, before
 # its attention (``inputmerge``: the first block's attention already runs on fewer
 # tokens; the block's own attention scores do not exist yet there). ``entry`` is
-# between attention and MLP with one more step at the first block's input, on its
-# budget (``entrymerge``: the patch embeddings are merged once before any attention).
+# between attention and MLP with one more step at the first block's input, when the
+# budget is tight (``entrymerge``: the patch embeddings are merged once before any
+# attention; see :func:`entry_count`).
 ReducePosition = Literal["attn", "mlp", "input", "entry"]
 REDUCE_POSITIONS: tuple[ReducePosition, ...] = ("attn", "mlp", "input", "entry")
 # Positions where a reducer runs before an attention, so no attention scores exist yet.
@@ -30,7 +31,7 @@ REDUCE_POSITION_WORDS: dict[ReducePosition, str] = {
     "attn": "between each block's attention and MLP",
     "mlp": "after each block's MLP",
     "input": "at each block's input",
-    "entry": "after each block's attention and once before the first block",
+    "entry": "after each block's attention and, when the budget is tight, once before the first block",
 }
 
 
@@ -45,18 +46,62 @@ class TokenReducer(Protocol):
     ) -> tuple[Tensor, Tensor | None]: ...
 
 
+@runtime_checkable
+class BudgetedReducer(TokenReducer, Protocol):
+    """A reducer whose output count is known ahead (``output_count(n)``) and can be set
+    per call (``count=``): what the ``entry`` step needs. Every built-in reducer is one."""
+
+    def output_count(self, n: int) -> int: ...
+
+    def __call__(
+        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, count: int | None = None
+    ) -> tuple[Tensor, Tensor | None]: ...
+
+
+# The entry step merges the embedded patches before any attention has mixed them. On the
+# shipped Fashion-MNIST DeiT that pays where the blocks' budgets leave few tokens and
+# costs a little where they leave many (0.25 points at 0.7x of the GFLOPs), so it runs
+# in full when the blocks alone would leave at most ENTRY_FULL_AT of the patch tokens
+# after the last block, not at all from ENTRY_NONE_AT, and fades in between. Both were
+# chosen on the validation split (docs/BENCHMARKS.md, "entrymerge").
+ENTRY_FULL_AT = 0.38
+ENTRY_NONE_AT = 0.46
+
+
+def entry_count(n: int, first: int, last: int) -> int:
+    """Patch tokens the entry step keeps of ``n``, when the blocks' own budgets (without
+    the entry step) keep ``first`` after the first block and ``last`` after the last.
+
+    ``first`` (the first block's budget, applied once more before it) where ``last / n
+    <= ENTRY_FULL_AT``; ``n`` (no entry step) where it is ``>= ENTRY_NONE_AT``; in
+    between, linearly from one to the other.
+    """
+    left = last / n if n > 0 else 1.0
+    if left <= ENTRY_FULL_AT:
+        return first
+    if left >= ENTRY_NONE_AT:
+        return n
+    fade = (left - ENTRY_FULL_AT) / (ENTRY_NONE_AT - ENTRY_FULL_AT)
+    return min(n, int(first + fade * (n - first) + 0.5))
+
+
 def reduce_tokens(
     reducer: TokenReducer,
     x: Tensor,
     sizes: Tensor | None,
     received: Tensor | None,
     num_prefix: int,
+    count: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Apply ``reducer`` to ``x[:, num_prefix:]`` and keep the prefix tokens untouched."""
+    """Apply ``reducer`` to ``x[:, num_prefix:]`` and keep the prefix tokens untouched.
+    ``count``: the tokens it keeps in place of its own budget (a :class:`BudgetedReducer`)."""
     prefix, tokens = x[:, :num_prefix], x[:, num_prefix:]
     tok_sizes = None if sizes is None else sizes[:, num_prefix:]
     tok_received = None if received is None else received[:, num_prefix:]
-    tokens, tok_sizes = reducer(tokens, tok_sizes, tok_received)
+    if count is None:
+        tokens, tok_sizes = reducer(tokens, tok_sizes, tok_received)
+    else:
+        tokens, tok_sizes = cast(BudgetedReducer, reducer)(tokens, tok_sizes, tok_received, count=count)
     x = torch.cat([prefix, tokens], dim=1)
     if tok_sizes is None:
         return x, None

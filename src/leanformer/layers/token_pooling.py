@@ -20,6 +20,7 @@ Methods (``method=`` of :func:`build_reducers`, ``pool=`` of the DeiT models):
 ``stepmerge``   bipartite merging in rounds of at most a quarter of the tokens
 ``inputmerge``  ``merge`` at each block's input, before its attention (the first block's too)
 ``entrymerge``  ``merge``, and one more merge of the embedded patches before the first block
+                when the budget is tight (``leanformer.layers.reducer.entry_count``)
 ``none``        no reduction
 ==============  ===========================================================================
 
@@ -82,15 +83,16 @@ class _Reducer(nn.Module):
         return budget_to_count(self.keep, n)
 
     def forward(
-        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None
+        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, count: int | None = None
     ) -> tuple[Tensor, Tensor | None]:
+        """``count``: tokens to keep in place of the budget's (the ``entry`` step's own)."""
         B, N, _ = tokens.shape
         track = self.carry or sizes is not None
         if track and sizes is None and not self.keeps_input_tokens:
             sizes = tokens.new_ones(B, N)
         if self.needs_received and received is None:
             raise ValueError(f"{type(self).__name__} needs the attention received (significance scores)")
-        k = self._output_count(N)
+        k = self.output_count(N) if count is None else min(count, N)
         if k >= N:
             if self.record:
                 self.last_assign = torch.arange(N, device=tokens.device).expand(B, N)
@@ -105,7 +107,8 @@ class _Reducer(nn.Module):
             self.last_assign = assign
         return out, (out_sizes if track else None)
 
-    def _output_count(self, n: int) -> int:
+    def output_count(self, n: int) -> int:
+        """Tokens this reducer outputs when it receives ``n``."""
         return self.target(n)
 
     def _reduce(
@@ -311,7 +314,7 @@ class ConvDownsample(_Reducer):
             f"{h}x{w}={h * w} (or a square number); conv can only follow other conv layers"
         )
 
-    def _output_count(self, n: int) -> int:
+    def output_count(self, n: int) -> int:
         h, w = self.grid_for(n)
         return n if n <= 1 else -(-h // 2) * -(-w // 2)
 
@@ -462,7 +465,8 @@ METHODS: dict[str, PoolingMethod] = {
         ),
         PoolingMethod(
             "entrymerge",
-            "ToMe bipartite soft matching after each attention, and once before the first block",
+            "ToMe bipartite soft matching after each attention, and once before the first block "
+            "when the budget is tight",
             _merge(0.5),
             reduce_at="entry",
         ),

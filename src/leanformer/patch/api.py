@@ -68,7 +68,8 @@ def apply_token_pooling(
     and weigh keys (and an average or attention pool) by them. ``reduce_at``: where each
     block reduces, ``"attn"`` (between attention and MLP, the default), ``"mlp"`` (after
     the MLP), ``"input"`` (before the attention) or ``"entry"`` (as ``"attn"``, with one
-    more step on the first block's budget before its attention); ``inputmerge`` always
+    more step before the first attention when the budget is tight, sized by
+    :func:`leanformer.layers.reducer.entry_count`); ``inputmerge`` always
     reduces at ``"input"`` and ``entrymerge`` at ``"entry"``. Prefix tokens (class,
     distillation, registers) are never pooled. Returns the model.
     """
