@@ -88,12 +88,13 @@ class TokenPooling(nn.Module):
     def entry_count(self, n: int) -> int:
         """Patch tokens the ``entry`` step keeps of ``n`` (:func:`~leanformer.layers.reducer.entry_count`),
         from what the blocks' reducers keep without it."""
-        counts = [n]
+        counts = [n]  # tokens after each block (a block without a reducer keeps them all)
         for i in range(self.depth):
             reducer = self.reducer(i)
-            if reducer is not None:
-                counts.append(cast(BudgetedReducer, reducer).output_count(counts[-1]))
-        return entry_count(n, first=counts[1] if self.reducer(0) is not None else n, last=counts[-1])
+            counts.append(
+                counts[-1] if reducer is None else cast(BudgetedReducer, reducer).output_count(counts[-1])
+            )
+        return entry_count(n, first=counts[1], last=counts[-1])
 
     @property
     def sizes(self) -> Tensor | None:
