@@ -78,10 +78,6 @@ class _Reducer(nn.Module):
         self.record = False
         self.last_assign: Tensor | None = None
 
-    def target(self, n: int) -> int:
-        """Tokens kept out of ``n``: ``min(K, n)`` (or the ratio of ``n``)."""
-        return budget_to_count(self.keep, n)
-
     def forward(
         self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, count: int | None = None
     ) -> tuple[Tensor, Tensor | None]:
@@ -108,8 +104,8 @@ class _Reducer(nn.Module):
         return out, (out_sizes if track else None)
 
     def output_count(self, n: int) -> int:
-        """Tokens this reducer outputs when it receives ``n``."""
-        return self.target(n)
+        """Tokens this reducer outputs when it receives ``n``: ``min(K, n)`` (or the ratio of ``n``)."""
+        return budget_to_count(self.keep, n)
 
     def _reduce(
         self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int
