@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 import leanformer
 from leanformer.layers.budgets import Budget, budget_to_count
-from leanformer.layers.token_pooling import build_reducers
+from leanformer.layers.token_pooling import ConvDownsample, build_reducers
 from leanformer.models.registry import create_model
 from leanformer.ops.clustering import weighted_segment_mean
 from leanformer.ops.merging import bipartite_merge_plan
@@ -265,3 +265,22 @@ def test_compiles_fullgraph_and_matches_eager_through_the_timm_patch(method: str
         eager = model(x)
         compiled = torch.compile(model, fullgraph=True)(x)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
+
+
+def test_conv_refuses_an_entry_step_it_cannot_size() -> None:
+    """A 2x2 conv keeps one count per grid. Where the entry step asks for that count it runs;
+    where it asks for another (its fade) the error says so, instead of keeping conv's own."""
+    torch.manual_seed(0)
+    tight = create_model("deit_test", depth=3, img_size=32).eval()  # 8x8 -> 16 left: full step
+    conv = ConvDownsample(dim=32, grid_size=(8, 8), carry=True)
+    apply_reducers(tight, [conv, None, None], reduce_at="entry")
+    with torch.no_grad():
+        tight(torch.randn(2, 3, 32, 32))
+    assert tight.token_pooling.sizes.shape == (2, 1 + 4)  # 64 -> 16 -> 4
+
+    fading = create_model("deit_test", depth=3, img_size=12).eval()  # 3x3 -> 4 left (44%): 8 asked
+    apply_reducers(fading, [ConvDownsample(dim=32, grid_size=(3, 3)), None, None], reduce_at="entry")
+    with pytest.raises(ValueError, match=r"conv downsampling keeps 4 of 9 tokens .* cannot keep 8"):
+        fading(torch.randn(2, 3, 12, 12))
+    with pytest.raises(ValueError, match=r"keeps 16 of 64 tokens .* cannot keep 40"):
+        conv(torch.randn(2, 64, 32), None, None, count=40)

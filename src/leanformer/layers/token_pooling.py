@@ -318,6 +318,13 @@ class ConvDownsample(_Reducer):
         self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         B, N, C = tokens.shape
+        if k != self.output_count(N):
+            # A 2x2 window has one output count per grid; keeping any other (the entry
+            # step's fade, a caller's count=) would silently keep this one instead.
+            raise ValueError(
+                f"conv downsampling keeps {self.output_count(N)} of {N} tokens (2x2 windows); "
+                f"it cannot keep {k}: use a clustering, selection or merging method for that budget"
+            )
         h, w = self.grid_for(N)
         pad = (0, w % 2, 0, h % 2)  # right, bottom
         grid = tokens.transpose(1, 2).reshape(B, C, h, w)
