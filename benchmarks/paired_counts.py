@@ -30,17 +30,17 @@ from leanformer.apps.sweep_config import SEEDED_METHODS, method_options, sweep_c
 from leanformer.apps.tradeoff import iter_rows, load_base_model, with_method
 from leanformer.data.loaders import eval_loader
 from leanformer.engine.builders import build_split
+from leanformer.engine.evaluate import evaluate
 
 
 def correct_per_image(model: nn.Module, loader: Any, device: str) -> Tensor:
-    """``[n]`` bool: whether ``model``'s top-1 prediction of each test image is right
-    (``leanformer.engine.evaluate.evaluate`` counts the same, summed)."""
-    model.eval()
-    hits = []
-    with torch.no_grad():
-        for x, y in loader:
-            y = y.to(device)
-            hits.append(model(x.to(device)).argmax(dim=-1) == y)
+    """``[n]`` bool: whether ``model``'s top-1 prediction of each test image is right."""
+    hits: list[Tensor] = []
+
+    def keep_hits(logits: Tensor, target: Tensor) -> None:
+        hits.append(logits.argmax(dim=-1) == target)
+
+    evaluate(model, loader, device=device, on_logits=keep_hits)
     return torch.cat(hits)
 
 

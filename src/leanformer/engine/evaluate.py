@@ -37,11 +37,14 @@ def evaluate(
     progress: bool = False,
     desc: str = "eval",
     after_batch: Callable[[nn.Module], None] | None = None,
+    on_logits: Callable[[Tensor, Tensor], None] | None = None,
 ) -> dict[str, float]:
     """Returns ``{"top1": %, "loss": mean cross-entropy, "n": samples}``.
 
     ``after_batch(model)`` runs after every batch, e.g. to collect per-input statistics
     a model records during its forward pass (kept query counts under DQS).
+    ``on_logits(logits, target)`` sees every batch's outputs, e.g. to keep which inputs
+    were right (paired comparisons of two models on the same inputs).
     """
     was_training = model.training
     model.eval()
@@ -55,6 +58,8 @@ def evaluate(
             correct += (logits.argmax(dim=-1) == target).sum()
             loss_sum += F.cross_entropy(logits.float(), target, reduction="sum").double()
             count += target.shape[0]
+            if on_logits is not None:
+                on_logits(logits, target)
             if after_batch is not None:
                 after_batch(model)
     finally:
