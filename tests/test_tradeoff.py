@@ -24,6 +24,7 @@ from leanformer.apps.tradeoff import add_relative, markdown_table, run_sweep, su
 from leanformer.commands import demo_tokenpool, tradeoff, visualize_clusters
 from leanformer.engine.builders import build_split
 from leanformer.engine.evaluate import evaluate
+from leanformer.layers.budgets import budget_to_count
 from leanformer.models.registry import create_model
 from sweep_models import untrained_deit_test
 
@@ -299,6 +300,27 @@ def test_trace_on_timm_model_restores_reducers() -> None:
     assert dict(model.token_pooling.reducers.items()) == before
     # each patch sits in exactly one final token (clustering composes memberships)
     assert ((trace[2] > 0).sum(1) == 1).all()
+
+
+@pytest.mark.parametrize("keep", [0.6, 0.75])  # the full entry step, and one that fades in
+def test_trace_composes_both_steps_of_entrymerges_first_block(keep: float) -> None:
+    """The trace (Jacobians) and the reducer's own record (merge plans composed) agree on
+    where every patch went through the entry step and the first block's merge."""
+    torch.manual_seed(0)
+    base = create_model("deit_test", img_size=32).eval()
+    model = with_method(base, "entrymerge", keep, carry=True, options={})
+    x = torch.randn(2, 3, 32, 32)
+    reducer = model.token_pooling.reducer(0)
+    reducer.record = True
+    with torch.no_grad():
+        model(x)
+    recorded = reducer.last_assign.clone()
+    reducer.record = False
+    trace = trace_token_sources(model, x)
+    entry = model.token_pooling.entry_count(64)
+    assert entry < 64  # the entry step ran
+    assert torch.equal(patch_assignment(trace, 0, 64, 2), recorded)
+    assert int(recorded.max()) + 1 == budget_to_count(keep, entry) < entry
 
 
 def test_visualize_command_writes_pngs(tmp_path: Path) -> None:

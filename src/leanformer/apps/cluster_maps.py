@@ -10,10 +10,12 @@ method without knowing its internals (for ``conv``, the 2x2 window).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+
+from leanformer.layers.reducer import BudgetedReducer
 
 
 class _SourceProbe(nn.Module):
@@ -26,11 +28,20 @@ class _SourceProbe(nn.Module):
         self.__dict__["_trace"] = trace  # shared, not a submodule
         self.index = index
 
-    def forward(self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None):
+    def output_count(self, n: int) -> int:
+        # The entry step (reduce_at="entry") sizes itself from every reducer's count.
+        return cast(BudgetedReducer, self.inner).output_count(n)
+
+    def forward(
+        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, count: int | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         trace: list[Tensor | None] = self.__dict__["_trace"]
         with torch.enable_grad():
             t = tokens.detach().requires_grad_(True)
-            out, out_sizes = self.inner(t, sizes, received)
+            if count is None:
+                out, out_sizes = self.inner(t, sizes, received)
+            else:  # the entry step: the same reducer, told its count
+                out, out_sizes = self.inner(t, sizes, received, count=count)
             B, K, C = out.shape
             # Cotangent j is one-hot on (token j, channel 0) for every example: row j of
             # each example's Jacobian in a single batched backward.
