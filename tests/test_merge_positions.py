@@ -162,6 +162,35 @@ def test_entry_needs_reducers_with_a_known_count() -> None:
     with pytest.raises(ValueError, match=r"reduce_at='entry' .* output_count\(n\) and a count= argument"):
         apply_reducers(_model(), [Halve(), None, None], reduce_at="entry")
 
+    class HalveWithCount(Halve):
+        def output_count(self, n: int) -> int:
+            return (n + 1) // 2
+
+    # output_count alone passes a runtime Protocol check; the missing count= is caught at
+    # install, not at the first budget tight enough to run the entry step.
+    with pytest.raises(ValueError, match=r"count= argument .* reducers of blocks \[0, 2\] lack"):
+        apply_reducers(_model(), [HalveWithCount(), None, HalveWithCount()], reduce_at="entry")
+
+    class Counted(HalveWithCount):
+        def forward(self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, count=None):
+            k = self.output_count(tokens.shape[1]) if count is None else count
+            return tokens[:, :k], None if sizes is None else sizes[:, :k]
+
+    model = apply_reducers(_model(), [Counted()] * 3, reduce_at="entry")
+    with torch.no_grad():
+        model(_images())  # 64 -> 32 before the first block (8 left: 12%), then 16, 8, 4
+    assert model.token_pooling.entry_count(64) == 32
+
+    class NoFlag(nn.Module):  # count= and output_count, but no needs_received: not a reducer
+        def forward(self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, count=None):
+            return tokens, sizes
+
+        def output_count(self, n: int) -> int:
+            return n
+
+    with pytest.raises(TypeError, match=r"reducer for block 1 \(NoFlag\) is not a TokenReducer"):
+        apply_reducers(_model(), [None, NoFlag(), None], reduce_at="entry")
+
 
 def test_each_placement_differs_from_merge_and_from_the_other() -> None:
     images = _images()

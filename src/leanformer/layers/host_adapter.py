@@ -29,10 +29,10 @@ from leanformer.layers.budgets import KeepLike, KeepSchedule, parse_keep
 from leanformer.layers.pooling_state import ReducePosition, TokenPooling
 from leanformer.layers.reducer import (
     BEFORE_ATTENTION,
-    BudgetedReducer,
     TokenReducer,
     compose_assignments,
     reduce_tokens,
+    takes_a_count,
 )
 from leanformer.layers.token_pooling import build_reducers, method_reduce_at
 
@@ -229,11 +229,18 @@ def install_reducers(
     check_unpatched(host)
     if len(reducers) != len(host.blocks):
         raise ValueError(f"got {len(reducers)} reducers for a model with {len(host.blocks)} blocks")
-    if reduce_at == "entry" and not all(r is None or isinstance(r, BudgetedReducer) for r in reducers):
+    # Objects that are no TokenReducer at all are left to TokenPooling's own error.
+    uncountable = [
+        i
+        for i, r in enumerate(reducers)
+        if isinstance(r, TokenReducer) and reduce_at == "entry" and not takes_a_count(r)
+    ]
+    if uncountable:
         raise ValueError(
             "reduce_at='entry' sizes its step before the first block from what every block's "
             "reducer keeps: it needs reducers with output_count(n) and a count= argument "
-            "(the built-in ones); use another reduce_at for these"
+            f"(the built-in ones), which the reducers of blocks {uncountable} lack; use another "
+            "reduce_at for these"
         )
     if reduce_at in BEFORE_ATTENTION and any(getattr(r, "needs_received", False) for r in reducers):
         raise ValueError(

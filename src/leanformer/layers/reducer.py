@@ -10,6 +10,7 @@ ask for it).
 
 from __future__ import annotations
 
+import inspect
 from typing import Literal, Protocol, cast, runtime_checkable
 
 import torch
@@ -56,6 +57,22 @@ class BudgetedReducer(TokenReducer, Protocol):
     def __call__(
         self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, count: int | None = None
     ) -> tuple[Tensor, Tensor | None]: ...
+
+
+def takes_a_count(reducer: object) -> bool:
+    """Whether ``reducer`` is a :class:`BudgetedReducer` whose call accepts ``count=``.
+    ``isinstance`` against a runtime Protocol checks only that the attributes exist, so
+    a reducer with ``output_count`` but a three-argument forward would pass it and fail
+    at the first tight budget."""
+    if not isinstance(reducer, BudgetedReducer):
+        return False
+    # An nn.Module's __call__ takes (*args, **kwargs); its forward has the real signature.
+    call = getattr(reducer, "forward", reducer)
+    try:
+        parameters = inspect.signature(call).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call will tell
+        return True
+    return any(p.name == "count" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 # The entry step merges the embedded patches before any attention has mixed them. On the
