@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 import leanformer
 from leanformer.layers.budgets import Budget, budget_to_count
+from leanformer.layers.reducer import compose_assignments
 from leanformer.layers.token_pooling import ConvDownsample, build_reducers
 from leanformer.models.registry import create_model
 from leanformer.ops.clustering import weighted_segment_mean
@@ -313,3 +314,24 @@ def test_conv_refuses_an_entry_step_it_cannot_size() -> None:
         fading(torch.randn(2, 3, 12, 12))
     with pytest.raises(ValueError, match=r"keeps 16 of 64 tokens .* cannot keep 40"):
         conv(torch.randn(2, 64, 32), None, None, count=40)
+
+
+def test_composed_records_against_a_loop() -> None:
+    first = torch.tensor([[0, 2, -1, 1, 2], [1, 1, 0, -1, -1]])
+    second = torch.tensor([[1, -1, 0], [0, 0, -1]])
+    expected = [[-1 if f < 0 else int(second[b, f]) for f in row] for b, row in enumerate(first.tolist())]
+    assert compose_assignments(first, second).tolist() == expected
+    # the first step kept nothing, so the second has nothing to map
+    none_kept = torch.full((2, 5), -1)
+    assert compose_assignments(none_kept, second[:, :0]).tolist() == none_kept.tolist()
+
+
+def test_the_record_of_an_entry_step_that_keeps_nothing_drops_every_patch() -> None:
+    records = {}
+    for method in ("merge", "entrymerge"):
+        model = leanformer.apply_token_pooling(_model(), keep=[0, 5, 5], method=method, carry=True)
+        model.token_pooling.reducer(0).record = True
+        with torch.no_grad():
+            model(_images())
+        records[method] = model.token_pooling.reducer(0).last_assign
+    assert records["entrymerge"].tolist() == records["merge"].tolist() == torch.full((3, 64), -1).tolist()

@@ -133,5 +133,7 @@ def reduce_tokens(
 def compose_assignments(first: Tensor, second: Tensor) -> Tensor:
     """Where each token went through two reductions in a row: ``first [B, N0]`` maps into the
     ``N1`` tokens that ``second [B, N1]`` maps on; -1 (dropped) in either stays -1."""
+    if second.shape[1] == 0:  # the first step kept nothing: every token was dropped
+        return torch.full_like(first, -1)
     through = second.gather(1, first.clamp(min=0))
     return through.masked_fill(first < 0, -1)
