@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import timm
 import torch
 from timm.models.vision_transformer import Block as TimmBlock
 from torch import nn
 
+import leanformer
 from leanformer.layers.host_adapter import pooled_block_forward
 from leanformer.layers.reducer import reduce_tokens
 from leanformer.layers.timm_host import block_parts
@@ -187,6 +189,33 @@ def test_conv_downsample() -> None:
     torch.testing.assert_close(sizes3, torch.tensor([[4.0, 2.0, 2.0, 1.0]] * 2))
     with pytest.raises(ValueError, match="conv can only follow other conv layers"):
         conv(torch.randn(2, 7, 4), None, None)
+
+
+def test_conv_reads_its_grid_halved_on_a_non_square_grid() -> None:
+    """After the entry step a layer built for 8x6 receives its own output, 4x3 (12 tokens,
+    not a square): it must read it as 4x3, padded to 4x4, not refuse it."""
+    conv = ConvDownsample(dim=4, grid_size=(8, 6), carry=True)
+    assert [conv.grid_for(n) for n in (48, 12, 4, 1)] == [(8, 6), (4, 3), (2, 2), (1, 1)]
+    x = torch.randn(2, 12, 4)
+    out, sizes = conv(x, None, None)
+    grid = torch.nn.functional.pad(x.transpose(1, 2).reshape(2, 4, 4, 3), (0, 1, 0, 0), mode="replicate")
+    expected = torch.nn.functional.avg_pool2d(grid, 2).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(out, expected)
+    assert sizes is not None
+    torch.testing.assert_close(sizes, torch.tensor([[4.0, 2.0, 4.0, 2.0]] * 2))
+    with pytest.raises(ValueError, match="conv can only follow other conv layers"):
+        conv(torch.randn(2, 24, 4), None, None)  # 8x3 or 6x4: no grid of this layer's
+    # Through a timm host with the entry step: 48 -> 12 before the first block, then 4.
+    host = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, depth=3, img_size=(64, 48), patch_size=8, embed_dim=48
+    ).eval()
+    model = leanformer.apply_token_pooling(
+        host, keep=[0.25, 1.0, 1.0], method="conv", reduce_at="entry", carry=True
+    )
+    with torch.no_grad():
+        model(torch.randn(2, 3, 64, 48))
+    assert model.token_pooling.sizes.shape == (2, 1 + 4)
+    torch.testing.assert_close(model.token_pooling.sizes[:, 1:].sum(1), torch.full((2,), 48.0))
 
 
 def test_conv_placement() -> None:

@@ -275,7 +275,8 @@ class ConvDownsample(_Reducer):
     """Learned 2x2 stride-2 convolution on the token grid, same width (appendix D).
 
     Tokens must be in raster order on an ``h x w`` grid: the grid given at construction,
-    or, when the count differs (another input resolution), a square grid. A grid with an
+    that grid halved (the entry step ran this layer once before), or, when the count
+    differs (another input resolution), a square grid. A grid with an
     odd side is padded by repeating its last row/column (sizes of the padding are 0), so
     the output grid is ``ceil(h/2) x ceil(w/2)``. Tokens that no longer form a grid (after
     a clustering/selection layer) raise a ``ValueError``: conv can only follow conv.
@@ -302,6 +303,12 @@ class ConvDownsample(_Reducer):
         h, w = self.grid_size
         if n == h * w:
             return h, w
+        # Its own grid halved (2x2 windows, odd sides rounded up): what this layer receives
+        # after the entry step (reduce_at="entry") ran it once on the full grid.
+        while h * w > 1:
+            h, w = -(-h // 2), -(-w // 2)
+            if n == h * w:
+                return h, w
         side = math.isqrt(n)
         if side * side == n:
             return side, side
