@@ -295,3 +295,26 @@ def test_average_and_attention_pools_weigh_tokens_by_size(host: str, images: Ten
     assert tokens.shape[1] == HOSTS[host][1] + 15
     torch.testing.assert_close(pooled, ref, atol=2e-5, rtol=2e-5)
     assert (unweighted - ref).abs().max() > 1e-4  # without sizes the merge is visible
+
+
+@pytest.mark.parametrize(
+    "host", ["timm_avg_no_cls", "timm_avgmax", "timm_map", "timm_max_with_cls", "hf_siglip", "timm_cls"]
+)
+@pytest.mark.parametrize("carry", [True, False])
+def test_a_head_that_pools_patches_refuses_a_budget_that_leaves_none(
+    host: str, carry: bool, images: Tensor
+) -> None:
+    """A budget of 0 leaves only the prefix tokens: fine for a class-token head, but an
+    average, max or attention pool over no patch token would be NaN, not an answer."""
+    model = _timm(global_pool="max")() if host == "timm_max_with_cls" else HOSTS[host][0]()
+    leanformer.apply_token_pooling(model, keep=[10, 0, 0], method="merge", carry=carry)
+    if host == "timm_cls":
+        with torch.no_grad():
+            assert torch.isfinite(run(model, images)[0]).all()
+        return
+    refusal = r"left no patch token .* pools the patch tokens .*keep at least one"
+    with pytest.raises(ValueError, match=refusal), torch.no_grad():
+        run(model, images)
+    model.token_pooling.keep = [10, 1, 1]
+    with torch.no_grad():
+        assert torch.isfinite(run(model, images)[0]).all()

@@ -61,6 +61,16 @@ class BlockParts:
     mlp_post: tuple[nn.Module, ...]
 
 
+def nothing_to_pool(head: str, library: str) -> ValueError:
+    """The error for a head that pools the patch tokens when the budget left none: its
+    mean (or attention) over zero tokens would be NaN."""
+    return ValueError(
+        f"the budget left no patch token after the last block, and this model's head ({head}) "
+        f"pools the patch tokens ({library}): keep at least one, e.g. a count of 1 or more "
+        "for the last block"
+    )
+
+
 def _chain(x: Tensor, modules: Sequence[nn.Module]) -> Tensor:
     for m in modules:
         x = m(x)

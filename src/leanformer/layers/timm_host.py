@@ -25,7 +25,13 @@ from timm.models.vision_transformer import Block as TimmBlock
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
-from leanformer.layers.host_adapter import BlockParts, HostAdapter, Override, UnsupportedHostError
+from leanformer.layers.host_adapter import (
+    BlockParts,
+    HostAdapter,
+    Override,
+    UnsupportedHostError,
+    nothing_to_pool,
+)
 from leanformer.layers.pooling_state import TokenPooling
 from leanformer.ops.attention import attention, size_bias
 
@@ -111,6 +117,10 @@ class _SizedPool:
     def __call__(self, x: Tensor, pool_type: str | None = None) -> Tensor:
         model, sizes = self.model, self.pooling.sizes
         pool_type = model.global_pool if pool_type is None else pool_type
+        start = 0 if model.pool_include_prefix else model.num_prefix_tokens
+        if x.shape[1] <= start and (model.attn_pool is not None or pool_type in ("avg", "avgmax", "max")):
+            head = "the MAP head" if model.attn_pool is not None else f"global_pool={pool_type!r}"
+            raise nothing_to_pool(head, LIBRARY)
         sized = model.attn_pool is not None or pool_type in ("avg", "avgmax")
         if sizes is None or not sized:
             return VisionTransformer.pool(model, x, pool_type)
@@ -119,7 +129,6 @@ class _SizedPool:
                 f"pooled features {tuple(x.shape)} do not come from the latest forward "
                 f"(sizes {tuple(sizes.shape)}): run forward_features and forward_head together"
             )
-        start = 0 if model.pool_include_prefix else model.num_prefix_tokens
         tokens, sizes = x[:, start:], sizes[:, start:]
         if model.attn_pool is not None:
             # The MAP head's attention counts a key of size s as s identical keys.

@@ -23,7 +23,13 @@ from typing import Any
 import transformers
 from torch import Tensor, nn
 
-from leanformer.layers.host_adapter import BlockParts, HostAdapter, Override, UnsupportedHostError
+from leanformer.layers.host_adapter import (
+    BlockParts,
+    HostAdapter,
+    Override,
+    UnsupportedHostError,
+    nothing_to_pool,
+)
 from leanformer.layers.pooling_state import TokenPooling
 from leanformer.ops.attention import attention
 
@@ -146,6 +152,8 @@ class _SizedMultiheadAttention:
         self.pooling = pooling
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> Any:
+        if key.shape[1] == 0:
+            raise nothing_to_pool("the attention-pooling head", LIBRARY)
         sizes = self.pooling.sizes
         if sizes is not None:
             if sizes.shape != key.shape[:2] or kwargs.get("attn_mask") is not None:
