@@ -15,6 +15,7 @@ from leanformer.apps import cluster_maps
 from leanformer.apps.cluster_maps import patch_assignment, trace_token_sources
 from leanformer.apps.sweep_config import (
     budget_label,
+    keep_value,
     load_sweep_config,
     method_options,
     sweep_config_from_dict,
@@ -43,6 +44,23 @@ def test_config_validation() -> None:
         sweep_config_from_dict({**ok, "methods": ["wkmedoid"]})
     with pytest.raises(ValueError, match="budgets: is empty"):
         sweep_config_from_dict({**ok, "budgets": []})
+    for empty in ([], ","):  # (a blank "methods:" is YAML null: every method)
+        with pytest.raises(ValueError, match="methods: is empty; name the methods"):
+            sweep_config_from_dict({**ok, "methods": empty})
+    assert sweep_config_from_dict({**ok, "methods": ["none"]}).methods == ["none"]  # the baseline alone
+    # One label per point: a repeated budget, or two that print alike, would be measured
+    # twice and shown as seeds of one point.
+    for twins in ([0.5, 0.5], [{"gflops": 0.5}, {"gflops": 0.5, "tilt": 0}], [0.1234561, 0.1234562]):
+        with pytest.raises(ValueError, match=r"budgets: .* are both the point .*; give each budget once"):
+            sweep_config_from_dict({**ok, "budgets": twins})
+    # The command line's spelling of a GFLOPs budget reads the same in a sweep file.
+    assert sweep_config_from_dict({**ok, "budgets": ["g0.5", "g0.36t-1.2"]}).budgets == [
+        keep_value("g0.5"),
+        keep_value("g0.36t-1.2"),
+    ]
+    assert budget_label(keep_value("g0.36t-1.2")) == "g0.36t-1.2"
+    with pytest.raises(ValueError, match=r"budgets: GFLOPs budget 'g0\.5x': expected g<fraction>"):
+        sweep_config_from_dict({**ok, "budgets": ["g0.5x"]})
     with pytest.raises(ValueError, match="unknown config key 'budget'"):
         sweep_config_from_dict({**ok, "budget": [0.5]})
     with pytest.raises(ValueError, match="pool_options max_iter are not options"):

@@ -89,6 +89,15 @@ def load_sweep_config(path: str | Path, overrides: dict[str, Any] | None = None)
 
 
 def sweep_config_from_dict(data: dict[str, Any]) -> SweepConfig:
+    budgets = data.get("budgets")
+    if isinstance(budgets, list | str):
+        # The command line's g0.5 spelling, written in a sweep file, means the same budget.
+        data = {
+            **data,
+            "budgets": [
+                _gflops_text_as_budget(b) for b in (budgets if isinstance(budgets, list) else [budgets])
+            ],
+        }
     cfg = from_dict(SweepConfig, data)
     validate(cfg)
     return cfg
@@ -113,6 +122,10 @@ def validate(cfg: SweepConfig) -> None:
     if cfg.timm_options and not cfg.timm_model:
         raise ValueError("timm_options: only applies to timm_model: (a checkpoint or model: ignores it)")
 
+    if not _listed_methods(cfg):
+        raise ValueError(
+            "methods: is empty; name the methods to compare (or none, for the unpooled model alone)"
+        )
     for m in methods_of(cfg):
         try:
             pooling_method(m)
@@ -129,6 +142,16 @@ def validate(cfg: SweepConfig) -> None:
     for keep in budgets_of(cfg):
         if is_gflops_budget(keep):
             check_gflops_budget(keep)
+    by_label: dict[str, Any] = {}
+    for keep in budgets_of(cfg):
+        label = budget_label(keep)
+        if label in by_label:
+            # A point is keyed by its label (results, tables, --resume): two budgets with
+            # one label would be measured twice and shown as seeds, or overwrite each other.
+            raise ValueError(
+                f"budgets: {by_label[label]!r} and {keep!r} are both the point {label}; give each budget once"
+            )
+        by_label[label] = keep
     if not budgets_of(cfg) and any(m != BASELINE for m in methods_of(cfg)):
         raise ValueError("budgets: is empty; give keep values (preset names, ratios or per-block lists)")
     if cfg.finetune_epochs < 0 or cfg.throughput_runs < 1 or cfg.throughput_batch_size < 1 or cfg.seeds < 1:
@@ -139,20 +162,35 @@ def validate(cfg: SweepConfig) -> None:
         model_card(cfg.model)  # type: ignore[arg-type]
 
 
-def methods_of(cfg: SweepConfig) -> list[str]:
+def _listed_methods(cfg: SweepConfig) -> list[str]:
     methods = cfg.methods if cfg.methods is not None else list_methods()
     if isinstance(methods, str):
         methods = comma_list(methods)
     if not isinstance(methods, list) or not all(isinstance(m, str) for m in methods):
         raise ValueError(f"methods: must be a list of method names, got {methods!r}")
+    return methods
+
+
+def methods_of(cfg: SweepConfig) -> list[str]:
     # The baseline is always measured once, first: every other point is read against it.
-    return [BASELINE] + [m for m in dict.fromkeys(methods) if m != BASELINE]
+    return [BASELINE] + [m for m in dict.fromkeys(_listed_methods(cfg)) if m != BASELINE]
 
 
 def method_options(cfg: SweepConfig, method: str) -> dict[str, Any]:
     """The ``pool_options`` that ``method`` takes (e.g. ``max_iters`` only reaches clustering)."""
     spec = METHODS["merge" if method == TOME else method]
     return {k: v for k, v in cfg.pool_options.items() if k in spec.options}
+
+
+def _gflops_text_as_budget(keep: Any) -> Any:
+    if isinstance(keep, str):
+        try:
+            gflops = parse_gflops_text(keep)
+        except ValueError as err:
+            raise ValueError(f"budgets: {err}") from None
+        if gflops is not None:
+            return gflops
+    return keep
 
 
 def budgets_of(cfg: SweepConfig) -> list[Any]:
