@@ -322,3 +322,32 @@ def test_only_the_writing_process_of_a_launch_locks(monkeypatch: pytest.MonkeyPa
     assert not is_main_process()
     monkeypatch.setenv("RANK", "0")
     assert is_main_process()
+
+
+def test_an_unreachable_gflops_target_leaves_the_sweep_folder_as_it_was(
+    tmp_path: Path, capsys: Capture
+) -> None:
+    """--overwrite clears a folder only once every budget is solved: a GFLOPs target out
+    of reach used to be found after the earlier results were gone."""
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(
+        "model: deit_test\nmethods: [merge]\nbudgets: [0.5]\nthroughput: false\n"
+        "data: {img_size: 16, limit_train: 16, limit_test: 16, batch_size: 16}\n"
+    )
+    out = tmp_path / "sw"
+    assert main(["tradeoff", "--config", str(sweep), "--out", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    for budgets in (["--budget", "g0.01"], ["--budget", "0.7", "--budget", "g0.01"]):
+        err = _one_line_error(
+            ["tradeoff", "--config", str(sweep), "--out", str(out), "--overwrite", *budgets], capsys
+        )
+        assert "merge at budget g0.01: out of reach" in err
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    # With a base model still to train, the untrained one answers first: nothing is trained.
+    trained = tmp_path / "trained.yaml"
+    trained.write_text(sweep.read_text() + "train: {optim: {epochs: 1}}\n")
+    err = _one_line_error(
+        ["tradeoff", "--config", str(trained), "--out", str(out), "--overwrite", "--budget", "g0.01"], capsys
+    )
+    assert "out of reach" in err and not (out / "base").exists()
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

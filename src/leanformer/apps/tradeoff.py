@@ -394,32 +394,37 @@ def _run_sweep(
     trains_base = base is None and cfg.model is not None and bool(cfg.train)
     if base is None and not trains_base:
         base = load_base_model(cfg, progress=progress)
-    # Every point is built once before anything is written or trained: a budget that does
-    # not fit the model fails now, not after the base model has trained.
-    check_points(cfg, base if base is not None else untrained_base_model(cfg))
-    if out is not None and not resume:
-        _clear_sweep_folder(out)
-        out.mkdir(parents=True, exist_ok=True)
-        # Written first, so that an interrupted sweep can be resumed (and checked) later.
-        (out / "sweep.json").write_text(json.dumps(_config_json(cfg), indent=2) + "\n")
-    if base is None:
-        base = load_base_model(cfg, out_dir=out, progress=progress, resume=resume)
-    base = base.to(cfg.device).eval()
+    # Every point is built, and every GFLOPs budget solved, before anything is cleared,
+    # written or trained: a budget that does not fit the model, or a target out of reach,
+    # fails now, with the folder's earlier results intact. A base still to be trained is
+    # stood in for by its untrained copy.
+    probe = (base if base is not None else untrained_base_model(cfg)).to(cfg.device).eval()
+    check_points(cfg, probe)
     test_set = build_split(cfg.data, "test")
-    check_timm_fits_data(base, test_set.info)  # type: ignore[attr-defined]
+    check_timm_fits_data(probe, test_set.info)  # type: ignore[attr-defined]
     test_loader = eval_loader(test_set, batch_size=cfg.data.eval_batch_size)
-    tune_loader = (
-        train_loader(build_split(cfg.data, "train"), batch_size=cfg.data.batch_size, seed=cfg.seed)
-        if cfg.finetune_epochs
-        else None
-    )
     batch = timing_batch(test_loader, cfg.throughput_batch_size, cfg.device)
     keys = [point_key(*p) for p in sweep_points(cfg)]
     measured = {(r["method"], r["keep"], r["seed"]): r for r in done}
     todo = [(p, key) for p, key in zip(sweep_points(cfg), keys) if key not in measured]
     # GFLOPs budgets are solved for the points still to measure (none left: none solved).
     pending = [(method, keep) for (method, keep, _), _ in todo if method not in (BASELINE, TOME)]
-    schedules = solve_gflops_budgets(cfg, base, batch[:4], points=pending, progress=progress)
+    schedules = solve_gflops_budgets(cfg, probe, batch[:4], points=pending, progress=progress)
+    if out is not None and not resume:
+        _clear_sweep_folder(out)
+        out.mkdir(parents=True, exist_ok=True)
+        # Written first, so that an interrupted sweep can be resumed (and checked) later.
+        (out / "sweep.json").write_text(json.dumps(_config_json(cfg), indent=2) + "\n")
+    if base is None:
+        base = load_base_model(cfg, out_dir=out, progress=progress, resume=resume).to(cfg.device).eval()
+        # Solved again on the trained weights: a clustering's cost can depend on them.
+        schedules = solve_gflops_budgets(cfg, base, batch[:4], points=pending, progress=progress)
+    base = base.to(cfg.device).eval()
+    tune_loader = (
+        train_loader(build_split(cfg.data, "train"), batch_size=cfg.data.batch_size, seed=cfg.seed)
+        if cfg.finetune_epochs
+        else None
+    )
     jsonl = (out / "results.jsonl").open("a" if resume else "w") if out is not None else None
     try:
         bar = progress_bar(todo, desc=f"sweep {cfg.name}", show=progress)
