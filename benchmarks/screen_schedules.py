@@ -34,13 +34,50 @@ from typing import cast
 import torch
 from torch.utils.data import DataLoader, Subset
 
+from leanformer.apps.gflops_budget import check_gflops_budget
 from leanformer.apps.tradeoff import solve_method_budget, with_method
 from leanformer.bench.flops import count_gflops
 from leanformer.config import DataConfig
 from leanformer.engine.builders import build_split
 from leanformer.engine.checkpoint import load_model
 from leanformer.engine.evaluate import evaluate
+from leanformer.layers.token_pooling import pooling_method
 from leanformer.models.registry import create_model
+
+
+def _numbers(parser: argparse.ArgumentParser, flag: str, text: str) -> list[float]:
+    try:
+        values = [float(item) for item in text.split(",")]
+    except ValueError:
+        parser.error(f"{flag} takes comma-separated numbers, got {text!r}")
+    return values
+
+
+def check_grid(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[list[float], list[str], list[tuple[float, float]]]:
+    """The targets, methods and (tilt, bend) shapes, each checked; ``parser.error`` otherwise."""
+    targets = _numbers(parser, "--targets", args.targets)
+    shapes = [
+        (t, b)
+        for t in _numbers(parser, "--tilts", args.tilts)
+        for b in _numbers(parser, "--bends", args.bends)
+    ]
+    methods = args.methods.split(",")
+    for method in methods:
+        try:
+            pooling_method(method)
+        except ValueError as err:
+            parser.error(f"--methods: {err}")
+        if method == "none":
+            parser.error("--methods: none keeps every token; its top-1 is printed first anyway")
+    for target in targets:
+        for tilt, bend in shapes:
+            try:
+                check_gflops_budget({"gflops": target, "tilt": tilt, "bend": bend})
+            except ValueError as err:
+                parser.error(str(err))
+    return targets, methods, shapes
 
 
 def main() -> None:
@@ -57,6 +94,13 @@ def main() -> None:
         "--checkpoint", type=Path, help="a trained Fashion-MNIST model (default: the shipped deit_fashion)"
     )
     args = parser.parse_args()
+    # Every point is checked before the model and data load: a typo in the last of a
+    # list would otherwise stop the script after minutes of the earlier points.
+    targets, methods, shapes = check_grid(parser, args)
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
+    if args.out is not None and not args.out.parent.is_dir():
+        parser.error(f"--out {args.out}: the folder {args.out.parent} does not exist")
     torch.set_num_threads(args.threads)
 
     if args.checkpoint is not None and not args.checkpoint.is_file():
@@ -83,9 +127,8 @@ def main() -> None:
         return count_gflops(variant(method, keep), image) / full
 
     print(json.dumps({"method": "none", "top1": evaluate(base, loader)["top1"], "gflops": full}), flush=True)
-    shapes = [(float(t), float(b)) for t in args.tilts.split(",") for b in args.bends.split(",")]
-    for target in (float(t) for t in args.targets.split(",")):
-        for method in args.methods.split(","):
+    for target in targets:
+        for method in methods:
             for tilt, bend in shapes:
                 budget = {"gflops": target, "tilt": tilt, "bend": bend}
                 keep = solve_method_budget(

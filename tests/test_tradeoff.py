@@ -61,6 +61,9 @@ def test_config_validation() -> None:
     assert budget_label(keep_value("g0.36t-1.2")) == "g0.36t-1.2"
     with pytest.raises(ValueError, match=r"budgets: GFLOPs budget 'g0\.5x': expected g<fraction>"):
         sweep_config_from_dict({**ok, "budgets": ["g0.5x"]})
+    for half_written in ("g", "gabc", "gnan"):
+        with pytest.raises(ValueError, match=r"unknown keep preset .*a GFLOPs budget is written g<fraction>"):
+            keep_value(half_written)
     with pytest.raises(ValueError, match="unknown config key 'budget'"):
         sweep_config_from_dict({**ok, "budget": [0.5]})
     with pytest.raises(ValueError, match="pool_options max_iter are not options"):

@@ -28,7 +28,14 @@ def keep_value(text: str) -> Any:
     kept as the plain value a sweep file would hold, because it names the point in
     ``results.jsonl`` and ``sweep.json``."""
     gflops = parse_gflops_text(text)
-    return gflops if gflops is not None else parse_keep(text).to_value()
+    if gflops is not None:
+        return gflops
+    try:
+        return parse_keep(text).to_value()
+    except ValueError as err:
+        if text.strip()[:1] in ("g", "G"):  # "g", "gabc": a GFLOPs budget half written
+            raise ValueError(f"{err}; a GFLOPs budget is written g<fraction>, e.g. g0.5") from None
+        raise
 
 
 BASELINE = "none"
