@@ -436,3 +436,61 @@ def test_tradeoff_name_cannot_leave_the_runs_folder(
         ["tradeoff", "--config", str(sweep)], capsys
     )
     assert not (tmp_path / "escaped").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            [*TRAIN, "--pretrained"],
+            "train starts from freshly initialised weights and does not take --pretrained",
+        ),
+        (
+            ["eval", "--timm-model", "deit_tiny_patch16_224", "--pretrained"],
+            "--pretrained loads the weights shipped with leanformer and goes with --model",
+        ),
+        (
+            ["bench", "--hf-model", "ViTModel", "--pretrained"],
+            "--pretrained loads the weights shipped with leanformer and goes with --model",
+        ),
+        (["bench", "--model", "deit_test", "--dc5"], "--dc5 applies only to --hf-model detr"),
+        (
+            ["bench", "--model", "deit_test", "--dc5", "--scopes", "model_fwd"],
+            "--dc5 and --scopes apply only to --hf-model detr",
+        ),
+    ],
+)
+def test_flags_that_would_be_ignored_are_refused(argv: list[str], message: str, capsys: Capture) -> None:
+    assert message in _error(argv, capsys)
+
+
+def test_eval_checkpoint_refuses_a_host_model(checkpoint: Path, capsys: Capture) -> None:
+    err = _error(["eval", "--checkpoint", str(checkpoint), "--timm-model", "deit_tiny_patch16_224"], capsys)
+    assert "--timm-model cannot be combined with --checkpoint" in err
+
+
+def test_bench_rows_of_host_models_have_the_keys_of_every_row(capsys: Capture) -> None:
+    common = ["--batch-size", "1", "--warmup", "1", "--runs", "1", "--no-memory", "--json"]
+    assert main(["bench", "--model", "deit_test", *common]) == 0
+    own = _rows(capsys)[0]
+    host = ["bench", "--timm-model", "deit_tiny_patch16_224", "--img-size", "32", "--opt", "patch_size=8"]
+    assert main([*host, "--opt", "depth=1", *common]) == 0
+    row = _rows(capsys)[0]
+    leading = ["model", "pool", "keep", "carry", "batch_size", "img_size", "feature_size", "peak_mem_mb"]
+    assert list(own)[: len(leading)] == list(row)[: len(leading)] == leading
+    assert row["compile_s"] is None
+
+
+def test_bench_compile_reaches_host_models(monkeypatch: pytest.MonkeyPatch, capsys: Capture) -> None:
+    import leanformer.bench.report as report
+
+    asked: list[bool] = []
+
+    def fake_bench(model: object, inputs: object, **kwargs: object) -> dict:
+        asked.append(bool(kwargs.get("compile")))
+        return {"compile_s": 1.0}
+
+    monkeypatch.setattr(report, "bench_model", fake_bench)
+    host = ["bench", "--timm-model", "deit_tiny_patch16_224", "--img-size", "32", "--opt", "patch_size=8"]
+    assert main([*host, "--opt", "depth=1", "--compile", "--json"]) == 0
+    assert asked == [True]

@@ -33,13 +33,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--scopes",
-        default="encoder_fwd,encoder_train,model_fwd",
+        default="encoder_fwd,encoder_train,model_fwd",  # DEFAULT_SCOPES
         help="comma-separated: encoder_fwd, encoder_train (forward+backward), model_fwd",
     )
 
 
 def is_requested(args: argparse.Namespace) -> bool:
     return str(getattr(args, "hf_model", None) or "").lower() in _NAMES
+
+
+DEFAULT_SCOPES = "encoder_fwd,encoder_train,model_fwd"
+
+
+def refuse_detr_flags(args: argparse.Namespace) -> None:
+    """``--dc5`` and ``--scopes`` mean something only to ``--hf-model detr``."""
+    given = [flag for flag, on in (("--dc5", args.dc5), ("--scopes", args.scopes != DEFAULT_SCOPES)) if on]
+    if given:
+        raise ValueError(
+            f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} only to --hf-model detr"
+        )
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -91,6 +91,11 @@ def build_host_model(
     """
     name = host_name(args)
     assert name is not None
+    if getattr(args, "pretrained", False):
+        raise ValueError(
+            "--pretrained loads the weights shipped with leanformer and goes with --model; a timm "
+            "model takes its own from a local file (--opt pretrained=true --opt pretrained_file=PATH)"
+        )
     options: dict[str, Any] = dict(args.opt)
     if name.startswith("timm:"):
         from leanformer.patch.timm import create_timm_model

@@ -73,6 +73,7 @@ def _int_or_none(size: Any) -> int | None:
 def run(args: argparse.Namespace) -> list[dict]:
     if _hf_detr.is_requested(args):
         return _hf_detr.run(args)
+    _hf_detr.refuse_detr_flags(args)
     if isinstance(args.img_size, tuple):
         raise ValueError("--img-size HxW is for --hf-model detr; give one number for other models")
     if host_name(args):
@@ -148,8 +149,26 @@ def _run_host(args: argparse.Namespace) -> list[dict]:
     name, model, size, options = build_host_model(args)
     model = model.to(args.device).eval()
     images = torch.randn(args.batch_size, input_channels(model), size, size, device=args.device)
-    row: dict[str, Any] = {"model": name, **options, "batch_size": args.batch_size, "img_size": size}
-    row.update(bench_model(model, (images,), warmup=args.warmup, runs=args.runs, memory=not args.no_memory))
+    # The keys and their order of every other bench row.
+    row: dict[str, Any] = {
+        "model": name,
+        **{key: options.get(key) for key in STANDARD_OPTIONS},
+        "batch_size": args.batch_size,
+        "img_size": size,
+        "feature_size": None,
+        "peak_mem_mb": None,
+    }
+    row.update({key: value for key, value in options.items() if key not in row})
+    row.update(
+        bench_model(
+            model,
+            (images,),
+            warmup=args.warmup,
+            runs=args.runs,
+            memory=not args.no_memory,
+            compile=args.compile,
+        )
+    )
     _print(args, name, row)
     return [row]
 

@@ -30,7 +30,12 @@ ACCEPTS_OVERRIDES = True
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", help="a checkpoint written by `leanformer train`, or its run folder")
     parser.add_argument("--config", help="YAML config (for the data) when no checkpoint is given")
-    parser.add_argument("--split", default="test", choices=("train", "test"))
+    parser.add_argument(
+        "--split",
+        default="test",
+        choices=("train", "test", "val"),
+        help="val: the split --data.options.validation N holds out of the training images",
+    )
     add_model_arguments(parser)
     add_host_arguments(parser)
     add_data_arguments(parser)
@@ -44,7 +49,14 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
     if args.checkpoint:
         hint = " (change the model with --pool/--keep/--opt KEY=VALUE)"
         refuse_beside_checkpoint(
-            args, "--model", "--config", "--pretrained", names="model and config", hint=hint
+            args,
+            "--model",
+            "--config",
+            "--pretrained",
+            "--timm-model",
+            "--hf-model",
+            names="model and config",
+            hint=hint,
         )
         meta = read_checkpoint_meta(args.checkpoint)
         cfg = from_dict(RunConfig, meta["config"])

@@ -100,6 +100,12 @@ def run(args: argparse.Namespace) -> list[dict]:
             f"train does not take {', '.join(call_time)} (evaluation options of eval/bench); "
             "a Perceiver trains for every query count with --query-masking"
         )
+    if args.pretrained:
+        raise ValueError(
+            "train starts from freshly initialised weights and does not take --pretrained; to "
+            "fine-tune the shipped weights with token pooling, run `leanformer tradeoff` with "
+            "pretrained: true and finetune_epochs"
+        )
     if args.out is not None and not args.out.strip():
         raise ValueError("--out is empty; give the run folder (or leave --out out for runs/<model>)")
     cfg = build_config(args, _saved_config(args))
