@@ -431,3 +431,11 @@ def test_fashion_preset_budgets_land_on_their_gflops() -> None:
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("tradeoff_*.yaml")), ids=lambda p: p.stem)
 def test_every_sweep_preset_is_valid_and_named_after_its_file(path: Path) -> None:
     assert load_sweep_config(path).name == path.stem
+
+
+def test_the_trace_of_the_unpooled_model_keeps_every_patch() -> None:
+    """``visualize clusters --method none`` draws the unpooled patches."""
+    model = with_method(create_model("deit_test", img_size=32).eval(), "none", None, carry=True, options={})
+    trace = trace_token_sources(model, torch.randn(2, 3, 32, 32))
+    assert trace == [None, None, None]
+    assert torch.equal(patch_assignment(trace, 2, 64, 2), torch.arange(64).expand(2, 64))

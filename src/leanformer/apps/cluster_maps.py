@@ -84,6 +84,10 @@ def _reducer_slots(model: nn.Module) -> list[tuple[Any, Any, nn.Module | None]]:
 def trace_token_sources(model: nn.Module, x: Tensor) -> list[Tensor | None]:
     """Per block, ``S [B, K_l, N0]`` (>0 where patch n is part of token k after block l), or
     None for a block without a reducer. ``N0`` counts patch tokens (no prefix tokens)."""
+    blocks: Any = getattr(model, "blocks", None)
+    if getattr(model, "token_pooling", None) is None and isinstance(blocks, nn.Sequential):
+        # The unpooled model (method none): every patch stays its own token in every block.
+        return [None] * len(blocks)
     slots = _reducer_slots(model)
     trace: list[Tensor | None] = [None] * len(slots)
     replaced = []
