@@ -494,3 +494,25 @@ def test_bench_compile_reaches_host_models(monkeypatch: pytest.MonkeyPatch, caps
     host = ["bench", "--timm-model", "deit_tiny_patch16_224", "--img-size", "32", "--opt", "patch_size=8"]
     assert main([*host, "--opt", "depth=1", "--compile", "--json"]) == 0
     assert asked == [True]
+
+
+def test_perceiver_eval_keeps_earlier_results_and_other_folders(tmp_path: Path, capsys: Capture) -> None:
+    argv = ["perceiver-eval", "--model", "visual_perceiver_test", "--data", "digits", "--img-size", "16"]
+    argv += ["--limit", "8", "--reps", "0", "--time-batch", "0", "--ks", "2", "--thresholds", "0.9"]
+    out = tmp_path / "pe"
+    assert main([*argv, "--out", str(out), "--json"]) == 0
+    capsys.readouterr()
+    first = (out / "results.jsonl").read_bytes()
+    assert "already holds results.jsonl, accuracy_vs_k.png; pass --overwrite" in _error(
+        [*argv, "--out", str(out)], capsys
+    )
+    assert (out / "results.jsonl").read_bytes() == first
+    assert main([*argv, "--out", str(out), "--overwrite", "--json"]) == 0
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text("{}")
+    assert "holds a trade-off sweep (sweep.json)" in _error(
+        [*argv, "--out", str(sweep), "--overwrite"], capsys
+    )
+    (tmp_path / "file").write_text("")
+    assert "is a file" in _error([*argv, "--out", str(tmp_path / "file")], capsys)

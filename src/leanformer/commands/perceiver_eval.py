@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-batch", type=int, default=64, help="batch size of the timing runs (0: skip)")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per K")
     parser.add_argument("--out", default="runs/perceiver_eval", help="folder for results.jsonl and plots")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the results of an earlier perceiver-eval in --out"
+    )
     add_data_arguments(parser)
 
 
@@ -53,6 +56,22 @@ def _query_counts(given: list[int] | None, total: int) -> list[int]:
     if too_many:
         raise ValueError(f"--ks {too_many} exceed the model's {total} latent queries")
     return given
+
+
+OUTPUTS = ("results.jsonl", "accuracy_vs_k.png")
+
+
+def _check_out(out: Path, *, overwrite: bool) -> None:
+    """Refuse a file, another command's run or sweep folder, and (without ``overwrite``)
+    an earlier perceiver-eval's results."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder for results.jsonl and the plot")
+    for own, what in (("sweep.json", "a trade-off sweep"), ("config.yaml", "a training run")):
+        if (out / own).exists():
+            raise ValueError(f"--out {out} holds {what} ({own}); give another folder")
+    held = [name for name in OUTPUTS if (out / name).exists()]
+    if held and not overwrite:
+        raise ValueError(f"--out {out} already holds {', '.join(held)}; pass --overwrite to replace them")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -73,6 +92,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     if args.reps < 0 or args.time_batch < 0 or args.runs < 1:
         raise ValueError("--reps and --time-batch must be >= 0 and --runs >= 1")
+    _check_out(Path(args.out), overwrite=args.overwrite)  # before the work, not after it
     model, dataset = load_perceiver(args, split=args.split, command="perceiver-eval")
     ks = _query_counts(args.ks, query_budget(model, needed_by="perceiver-eval"))
     loader = eval_loader(dataset, batch_size=args.batch_size or 256)
