@@ -146,11 +146,10 @@ def validate(cfg: SweepConfig) -> None:
     for r in tome_rs(cfg):
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ValueError(f"tome_r: must hold integers >= 1 (tokens removed per block), got {r!r}")
+    by_label: dict[str, Any] = {}
     for keep in budgets_of(cfg):
         if is_gflops_budget(keep):
             check_gflops_budget(keep)
-    by_label: dict[str, Any] = {}
-    for keep in budgets_of(cfg):
         label = budget_label(keep)
         if label in by_label:
             # A point is keyed by its label (results, tables, --resume): two budgets with

@@ -416,10 +416,11 @@ def _run_sweep(
         # Written first, so that an interrupted sweep can be resumed (and checked) later.
         (out / "sweep.json").write_text(json.dumps(_config_json(cfg), indent=2) + "\n")
     if base is None:
-        base = load_base_model(cfg, out_dir=out, progress=progress, resume=resume).to(cfg.device).eval()
+        base = load_base_model(cfg, out_dir=out, progress=progress, resume=resume)
+    base = base.to(cfg.device).eval()
+    if trains_base:
         # Solved again on the trained weights: a clustering's cost can depend on them.
         schedules = solve_gflops_budgets(cfg, base, batch[:4], points=pending, progress=progress)
-    base = base.to(cfg.device).eval()
     tune_loader = (
         train_loader(build_split(cfg.data, "train"), batch_size=cfg.data.batch_size, seed=cfg.seed)
         if cfg.finetune_epochs

@@ -24,6 +24,9 @@ _REGISTRY_ONLY = (
 )
 
 
+DEFAULT_SCOPES = "encoder_fwd,encoder_train,model_fwd"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("Hugging Face DETR (--hf-model detr)")
     group.add_argument(
@@ -33,16 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--scopes",
-        default="encoder_fwd,encoder_train,model_fwd",  # DEFAULT_SCOPES
+        default=DEFAULT_SCOPES,
         help="comma-separated: encoder_fwd, encoder_train (forward+backward), model_fwd",
     )
 
 
 def is_requested(args: argparse.Namespace) -> bool:
     return str(getattr(args, "hf_model", None) or "").lower() in _NAMES
-
-
-DEFAULT_SCOPES = "encoder_fwd,encoder_train,model_fwd"
 
 
 def refuse_detr_flags(args: argparse.Namespace) -> None:
