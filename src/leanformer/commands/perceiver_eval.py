@@ -64,11 +64,14 @@ OUTPUTS = ("results.jsonl", "accuracy_vs_k.png")
 def _check_out(out: Path, *, overwrite: bool) -> None:
     """Refuse a file, another command's run or sweep folder, and (without ``overwrite``)
     an earlier perceiver-eval's results."""
+    from leanformer.engine.run_folder import held_run_files
+
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a folder for results.jsonl and the plot")
-    for own, what in (("sweep.json", "a trade-off sweep"), ("config.yaml", "a training run")):
-        if (out / own).exists():
-            raise ValueError(f"--out {out} holds {what} ({own}); give another folder")
+    if (out / "sweep.json").exists():
+        raise ValueError(f"--out {out} holds a trade-off sweep (sweep.json); give another folder")
+    if run_files := held_run_files(out):
+        raise ValueError(f"--out {out} holds a training run ({', '.join(run_files)}); give another folder")
     held = [name for name in OUTPUTS if (out / name).exists()]
     if held and not overwrite:
         raise ValueError(f"--out {out} already holds {', '.join(held)}; pass --overwrite to replace them")

@@ -240,12 +240,8 @@ def install_reducers(
     if len(reducers) != len(host.blocks):
         raise ValueError(f"got {len(reducers)} reducers for a model with {len(host.blocks)} blocks")
     # Objects that are no TokenReducer at all are left to TokenPooling's own error.
-    uncountable = [
-        i
-        for i, r in enumerate(reducers)
-        if isinstance(r, TokenReducer) and reduce_at == "entry" and not takes_a_count(r)
-    ]
-    if uncountable:
+    uncountable = [i for i, r in enumerate(reducers) if isinstance(r, TokenReducer) and not takes_a_count(r)]
+    if reduce_at == "entry" and uncountable:
         raise ValueError(
             "reduce_at='entry' sizes its step before the first block from what every block's "
             "reducer keeps: it needs reducers with output_count(n) and a count= argument "

@@ -271,6 +271,11 @@ class TokenMerging(_Reducer):
         return f"{super().extra_repr()}, round_fraction={self.round_fraction}"
 
 
+def halved_grid(h: int, w: int) -> tuple[int, int]:
+    """The grid a 2x2 stride-2 window leaves of ``h x w`` (odd sides padded, so rounded up)."""
+    return -(-h // 2), -(-w // 2)
+
+
 class ConvDownsample(_Reducer):
     """Learned 2x2 stride-2 convolution on the token grid, same width (appendix D).
 
@@ -306,7 +311,7 @@ class ConvDownsample(_Reducer):
         # Its own grid halved (2x2 windows, odd sides rounded up): what this layer receives
         # after the entry step (reduce_at="entry") ran it once on the full grid.
         while h * w > 1:
-            h, w = -(-h // 2), -(-w // 2)
+            h, w = halved_grid(h, w)
             if n == h * w:
                 return h, w
         side = math.isqrt(n)
@@ -319,7 +324,7 @@ class ConvDownsample(_Reducer):
 
     def output_count(self, n: int) -> int:
         h, w = self.grid_for(n)
-        return n if n <= 1 else -(-h // 2) * -(-w // 2)
+        return n if n <= 1 else math.prod(halved_grid(h, w))
 
     def _reduce(
         self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int
@@ -342,7 +347,7 @@ class ConvDownsample(_Reducer):
         if sizes is not None:
             s = F.pad(sizes.reshape(B, 1, h, w), pad)  # padded copies stand for no token
             out_sizes = F.avg_pool2d(s, 2).flatten(1) * 4.0
-        w2 = -(-w // 2)
+        w2 = halved_grid(h, w)[1]
         rows = torch.arange(h, device=tokens.device) // 2
         cols = torch.arange(w, device=tokens.device) // 2
         assign = (rows[:, None] * w2 + cols[None, :]).flatten().expand(B, N)
@@ -426,7 +431,7 @@ def _build_conv(
         for i, budget in enumerate(budgets):
             if n > 1 and budget_to_count(budget, n) <= n // 2:
                 chosen.append(i)
-                gh, gw = -(-gh // 2), -(-gw // 2)
+                gh, gw = halved_grid(gh, gw)
                 n = gh * gw
         layers = chosen
     else:
@@ -440,7 +445,7 @@ def _build_conv(
     reducers: list[nn.Module | None] = [None] * depth
     for i in sorted(layers):
         reducers[i] = ConvDownsample(dim=dim, grid_size=(h, w), carry=carry)
-        h, w = -(-h // 2), -(-w // 2)
+        h, w = halved_grid(h, w)
     return reducers
 
 
