@@ -34,6 +34,10 @@ def test_digits_options() -> None:
         build_dataset("digits", split="train", img_size=4)
     with pytest.raises(ValueError, match="no option 'size'"):
         build_dataset("digits", split="train", size=16)
+    with pytest.raises(ValueError, match="option test_fraction expects a number, got 'abc'"):
+        build_dataset("digits", split="train", test_fraction="abc")
+    with pytest.raises(ValueError, match="option img_size expects an integer, got 16.5"):
+        build_dataset("digits", split="train", img_size=16.5)
 
 
 def test_unknown_dataset_and_split() -> None:
@@ -81,6 +85,17 @@ def test_imagefolder(tmp_path: Path) -> None:
     assert x.shape == (3, 8, 8) and int(y) == 1
     with pytest.raises(ValueError, match="no class folders"):
         build_dataset("imagefolder", split="train", root=str(tmp_path / "train" / "cat"))
+
+
+def test_imagefolder_root_named_by_a_number_stays_a_folder_name(tmp_path: Path, monkeypatch) -> None:
+    """``--data-root 123`` names the folder "123", as a YAML ``root: "123"`` does."""
+    from leanformer.config import load_config
+
+    assert load_config(None, {"data.root": "123"}).data.root == "123"
+    assert load_config(None, {"data.root": "null"}).data.root is None
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="root 123 is not a folder"):
+        build_dataset("imagefolder", split="train", root="123")
 
 
 def test_imagefolder_pixels_match_a_plain_pil_reference(tmp_path: Path) -> None:

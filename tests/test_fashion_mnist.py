@@ -103,6 +103,30 @@ def test_validation_split_is_the_last_training_images(tmp_path: Path) -> None:
         build_dataset("digits", split="val")
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("validation", True, "validation expects an integer, got True"),
+        ("validation", "abc", "validation expects an integer, got 'abc'"),
+        ("validation", 20.7, "validation expects an integer, got 20.7"),
+        ("augment", "maybe", "augment expects true/false, got 'maybe'"),
+        ("augment", 1, "augment expects true/false, got 1"),
+    ],
+)
+def test_options_of_the_wrong_type_are_refused(tmp_path: Path, option: str, value, message: str) -> None:
+    """``validation: true`` would be read as one image and ``augment: maybe`` as on."""
+    write_fashion(tmp_path)
+    with pytest.raises(ValueError, match=f"dataset 'fashion_mnist': option {message}"):
+        build_dataset("fashion_mnist", split="train", root=str(tmp_path), **{option: value})
+
+
+def test_options_given_as_text_are_read_as_their_type(tmp_path: Path) -> None:
+    """The command line gives text; it is read as the option's type, as a YAML file's value is."""
+    write_fashion(tmp_path)
+    fit = build_dataset("fashion_mnist", split="train", root=str(tmp_path), validation="4", augment="false")
+    assert len(fit) == 8
+
+
 def test_augmentation_shifts_and_flips_only_the_training_split(tmp_path: Path) -> None:
     write_fashion(tmp_path)
     plain = build_dataset("fashion_mnist", split="train", root=str(tmp_path))

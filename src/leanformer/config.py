@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import types
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields, replace
@@ -25,6 +24,7 @@ from typing import Any
 import yaml
 
 from leanformer.layers.budgets import KEEP_HELP, KeepSchedule, parse_keep
+from leanformer.typed_values import coerce_value, parse_scalar
 
 _FLAG = "leanformer_flag"  # dataclass field metadata keys
 _ENTRY_FLAGS = "leanformer_entry_flags"
@@ -207,65 +207,6 @@ def flag_names() -> dict[str, str]:
     return {key: spec.name for key, spec in declared_flags()}
 
 
-def parse_scalar(text: str) -> Any:
-    """YAML scalar parsing, plus ``3e-4``-style floats that YAML 1.1 reads as strings."""
-    if text.strip().lower() in ("", "none", "null", "~"):
-        return None
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-    if isinstance(value, str):
-        try:
-            return float(value) if any(c in value.lower() for c in ".e") and "_" not in value else value
-        except ValueError:
-            return value
-    return value
-
-
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Convert ``value`` (often a string from the command line) to ``annotation``."""
-    if isinstance(value, str) and annotation is not str:
-        value = parse_scalar(value)
-    origin = typing.get_origin(annotation)
-    if origin in (types.UnionType, typing.Union):
-        args = typing.get_args(annotation)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key)
-            except ValueError as exc:
-                errors.append(str(exc))
-        raise ValueError(errors[0] if errors else f"{key}: bad value {value!r}")
-    if annotation is Any:
-        return value
-    if origin is dict or annotation is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{key} expects a mapping, got {value!r}")
-        return dict(value)
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"{key} expects true/false, got {value!r}")
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key} expects an integer, got {value!r}")
-        return value
-    if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ValueError(f"{key} expects a number, got {value!r}")
-        return float(value)
-    if annotation is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{key} expects a string, got {value!r}")
-        return value
-    raise ValueError(f"{key}: unsupported type {annotation}")
-
-
 def _unknown_key(key: str, cls: type) -> ValueError:
     names = [f.name for f in fields(cls)]
     close = difflib.get_close_matches(key.rsplit(".", 1)[-1], names, n=3)
@@ -287,7 +228,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             kwargs[key] = from_dict(annotation, value or {}, prefix=f"{full}.")
         else:
-            kwargs[key] = _coerce(value, annotation, full)
+            kwargs[key] = coerce_value(value, annotation, full)
     return cls(**kwargs)
 
 

@@ -11,6 +11,7 @@ import difflib
 import importlib
 import inspect
 import pkgutil
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from torch.utils.data import Dataset
 
 import leanformer.data as pkg
+from leanformer.typed_values import coerce_value
 
 SPLITS = ("train", "test")  # every dataset has these; a builder may add more in ``builder.splits``
 
@@ -92,7 +94,22 @@ def build_dataset(name: str, *, split: str, **options: Any) -> Dataset:
                 f"dataset {name!r} has no option {unknown[0]!r}; options are "
                 f"{', '.join(p for p in params if p != 'split')}"
             )
-    dataset = builder(split=split, **options)
+    dataset = builder(split=split, **_typed_options(name, builder, options))
     if not isinstance(getattr(dataset, "info", None), DatasetInfo):
         raise TypeError(f"dataset {name!r} does not carry a DatasetInfo as .info")
     return dataset
+
+
+def _typed_options(name: str, builder: Builder, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` checked against the builder's annotations: ``validation: true`` or
+    ``augment: maybe`` would otherwise be read as 1 and as on, and ``abc`` would fail deep
+    inside the builder."""
+    hints = typing.get_type_hints(builder)
+    typed = dict(options)
+    for key, value in options.items():
+        if key in hints:
+            try:
+                typed[key] = coerce_value(value, hints[key], key)
+            except ValueError as err:
+                raise ValueError(f"dataset {name!r}: option {err}") from None
+    return typed
