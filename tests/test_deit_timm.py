@@ -65,3 +65,19 @@ def test_old_checkpoint_reducer_keys_are_converted() -> None:
     fresh = create_model("deit_test", pool="conv", pool_options={"layers": [0]})
     fresh.load_state_dict({k: v + 1 if k.endswith("conv.weight") else v for k, v in old.items()}, strict=True)
     torch.testing.assert_close(fresh.state_dict()[new_key], state[new_key] + 1)
+
+
+@pytest.mark.parametrize("distilled", [False, True])
+def test_image_sides_not_multiples_of_the_patch_are_a_value_error(distilled: bool) -> None:
+    """timm's own check is an assert (a bare traceback, and gone under ``python -O``); every
+    path to the patches, forward and forward_intermediates, names both sizes instead."""
+    model = create_model("deit_test", distilled=distilled).eval()
+    for path in (model, model.forward_intermediates):
+        with pytest.raises(ValueError, match="image size 30x28 is not a multiple of the patch size 4x4"):
+            path(torch.randn(1, 3, 30, 28))
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 24, 28)).shape[0] == 2  # other multiples still work
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    images = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(images), model(images))

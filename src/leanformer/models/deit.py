@@ -121,6 +121,8 @@ class DeiT(VisionTransformer):
         self.depth = depth
         self.grid_size = (size[0] // patch_size, size[1] // patch_size)
         self._register_load_state_dict_pre_hook(_rename_old_reducer_keys)
+        # timm's own check is an assert; every path to the patches passes this hook.
+        self.patch_embed.register_forward_pre_hook(_check_image_sides)
         if pool != "none":
             install(
                 adapt(self), keep=keep, method=pool, carry=carry, reduce_at=reduce_at, **(pool_options or {})
@@ -133,6 +135,17 @@ class DeiT(VisionTransformer):
 
 class DistilledDeiT(DeiT, VisionTransformerDistilled):
     """DeiT with a distillation token: ``DeiT(distilled=True)`` builds one."""
+
+
+def _check_image_sides(patch_embed: nn.Module, inputs: tuple[Any, ...]) -> None:
+    """A ValueError naming both sizes when an image's sides are not multiples of the patch."""
+    height, width = inputs[0].shape[-2:]
+    patch_h, patch_w = patch_embed.patch_size
+    if height % patch_h or width % patch_w:
+        raise ValueError(
+            f"image size {height}x{width} is not a multiple of the patch size {patch_h}x{patch_w}; "
+            "give an image size that is (--img-size)"
+        )
 
 
 def _rename_old_reducer_keys(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
