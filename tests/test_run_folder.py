@@ -141,6 +141,27 @@ def test_a_run_stopped_before_its_first_epoch_leaves_nothing(tmp_path: Path) -> 
     assert (out / "last.safetensors").is_file()
 
 
+def test_a_run_that_fails_in_its_first_epoch_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    """Any failure before the first epoch commits (here the optimizer's step) discards the
+    run, as a diverged loss does; a failure after it keeps the committed epochs."""
+    import leanformer.engine.train as train
+
+    def failing_step(self, *args, **kwargs):
+        raise RuntimeError("the optimizer failed")
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(train.torch.optim.AdamW, "step", failing_step)
+    with pytest.raises(RuntimeError, match="the optimizer failed"):
+        fit(load_config(None, FAST), out_dir=out, progress=False)
+    assert not out.exists()
+    monkeypatch.undo()
+    committed = fit(load_config(None, FAST), out_dir=out, progress=False, stop_after_epochs=1)
+    monkeypatch.setattr(train.torch.optim.AdamW, "step", failing_step)
+    with pytest.raises(RuntimeError, match="the optimizer failed"):
+        fit(load_config(None, FAST), out_dir=out, progress=False, resume=True)
+    assert (out / "last.safetensors").is_file() and len(committed.history) == 1
+
+
 def test_files_get_the_same_permissions(tmp_path: Path, reference: Path) -> None:
     modes = {name: stat.S_IMODE((reference / name).stat().st_mode) for name in RUN_FILES}
     umask = os.umask(0)

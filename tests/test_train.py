@@ -107,6 +107,8 @@ def test_bad_training_options() -> None:
         ("optim.weight_decay", "-0.1"),
         ("optim.warmup_epochs", "-1"),
         ("data.eval_batch_size", "0"),
+        ("optim.lr", "1e300"),  # beyond float32: the optimizer's step would fail mid-epoch
+        ("optim.lr", "inf"),
     ):
         with pytest.raises(ValueError, match=key.replace(".", r"\.")):
             fit(load_config(None, {**QUICK, key: value}), progress=False)
@@ -138,3 +140,22 @@ def test_cli_resume_uses_the_run_config(tmp_path: Path, capsys: pytest.CaptureFi
     assert "no config.yaml" in capsys.readouterr().err
     assert main(["train", "--resume", "--model", "deit_test"]) == 2
     assert "--resume needs --out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"model_options.num_classes": "5"}, "the model gives 5 class scores, but the data has 10 classes"),
+        ({"model_options.num_classes": "12", "train.teacher": "deit_test"}, "student and teacher logits differ"),
+    ],
+)
+def test_a_model_or_teacher_that_does_not_fit_the_data_is_refused_before_writing(
+    tmp_path: Path, overrides: dict, message: str
+) -> None:
+    """A batch without the highest labels passes cross-entropy, so the class count is checked
+    up front; either mismatch used to fail mid-epoch, leaving a folder that blocked re-runs."""
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=message):
+        fit(load_config(None, {**QUICK, **overrides}), out_dir=out, progress=False)
+    assert not out.exists()
+

@@ -73,12 +73,19 @@ class FitResult:
     out_dir: Path | None = None
 
 
+_LARGEST_RATE = torch.finfo(torch.float32).max
+
+
 def _validate(cfg: RunConfig) -> None:
     o, t, d = cfg.optim, cfg.train, cfg.data
     if o.epochs < 1:
         raise ValueError(f"optim.epochs must be >= 1, got {o.epochs}")
     if o.lr <= 0:
         raise ValueError(f"optim.lr must be > 0, got {o.lr}")
+    # The optimizer's step scales float32 tensors by the rate: a larger one fails mid-epoch.
+    for key, rate in (("lr", o.lr), ("min_lr", o.min_lr)):
+        if not rate <= _LARGEST_RATE:
+            raise ValueError(f"optim.{key} must be a finite number up to {_LARGEST_RATE:.3g}, got {rate}")
     # A negative floor or decay would silently turn descent into ascent for some steps.
     if o.min_lr < 0:
         raise ValueError(f"optim.min_lr must be >= 0, got {o.min_lr}")
@@ -197,18 +204,29 @@ def _write_config(out_dir: Path, cfg: RunConfig, model_options: dict[str, Any]) 
     atomic_write_bytes(out_dir / CONFIG_NAME, yaml.safe_dump(resolved, sort_keys=False).encode())
 
 
-def _check_forward(model: nn.Module, dataset: Any, device: torch.device) -> None:
-    """One forward pass on one training example, before anything is written: a model that
-    does not fit the data (an image size the patch size does not divide, say) fails here,
-    not after the run folder exists. The RNG is restored, so training is unchanged."""
+def _check_forward(
+    model: nn.Module, loss_fn: _LossFn, dataset: Any, device: torch.device, *, num_classes: int
+) -> None:
+    """One forward pass and loss on one training example, before anything is written: a
+    model that does not fit the data (an image size the patch size does not divide, fewer
+    outputs than the data has classes) or a teacher that does not fit the student fails
+    here, not after the run folder exists. The RNG is restored, so training is unchanged."""
     with torch.random.fork_rng(devices=[]), torch.no_grad():
-        inputs, _ = default_collate([dataset[0]])
+        inputs, target = default_collate([dataset[0]])
+        inputs, target = to_device(inputs, device), target.to(device)
         was_training = model.training
         model.eval()
         try:
-            call_model(model, to_device(inputs, device))
+            logits = call_model(model, inputs)
         finally:
             model.train(was_training)
+        # A batch without the highest labels would pass cross-entropy and fail mid-epoch.
+        if logits.shape[-1] < num_classes:
+            raise ValueError(
+                f"the model gives {logits.shape[-1]} class scores, but the data has {num_classes} "
+                "classes (is num_classes set in the model options?)"
+            )
+        loss_fn(logits, target, inputs)
 
 
 def _stop_message(loss: Tensor, epoch: int, step: int, out: Path | None, *, discarded: bool) -> str:
@@ -312,7 +330,7 @@ def _fit(
         )
         loss_fn = _LossFn(cfg, _build_teacher(cfg, info, device))
         sample_kwargs, query_gen = _query_sampler(cfg, model, cfg.seed)
-        _check_forward(model, train_set, device)
+        _check_forward(model, loss_fn, train_set, device, num_classes=info.num_classes)
         # Dropout / drop-path randomness differs per process, as in any DDP run.
         torch.manual_seed(cfg.seed * 1000 + 1 + dist_info.rank)
 
@@ -352,87 +370,89 @@ def _fit(
         if out is not None and dist_info.is_main:
             _write_config(out, cfg, model_options)
 
-        train_model: nn.Module = model
-        if dist_info.enabled:
-            train_model = DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None
-            )
-
-        end_epoch = cfg.optim.epochs
-        if stop_after_epochs is not None:
-            end_epoch = min(end_epoch, start_epoch + stop_after_epochs)
-        show = progress and dist_info.is_main
-        metrics: dict[str, float] = history[-1] if history else {}
-        epochs = progress_bar(range(start_epoch, end_epoch), desc="epochs", show=show)
-        for epoch in epochs:
-            loader.batch_sampler.set_epoch(epoch)  # type: ignore[union-attr]
-            train_model.train()
-            started = time.perf_counter()
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            batches = progress_bar(loader, desc=f"epoch {epoch + 1}", show=show, leave=False)
-            for step, (inputs, target) in enumerate(batches):
-                inputs, target = to_device(inputs, device), target.to(device)
-                kwargs = sample_kwargs() if sample_kwargs is not None else {}
-                logits = call_model(train_model, inputs, **kwargs)
-                loss = loss_fn(logits, target, inputs)
-                # One host sync per step: a diverged run must stop before it overwrites anything.
-                if not torch.isfinite(loss).item():
-                    # Nothing committed yet: leave no half-run behind, so the same
-                    # command with a smaller learning rate needs no --overwrite.
-                    discard = out is not None and dist_info.is_main and not history
-                    message = _stop_message(loss, epoch, step, out, discarded=discard)
-                    if discard and out is not None:
-                        discard_uncommitted_run(out)
-                    raise NonFiniteLossError(message)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if cfg.train.grad_clip is not None:
-                    nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-                optimizer.step()
-                scheduler.step()
-                loss_sum += loss.detach().double()
+        try:
+            train_model: nn.Module = model
             if dist_info.enabled:
-                # Each process saw half of every global batch: report the global mean.
-                dist.all_reduce(loss_sum)
-                loss_sum /= dist_info.world_size
-            train_loss = loss_sum.item() / max(1, steps_per_epoch)
-            if dist_info.is_main:
-                metrics = evaluate(model, test_loader, device=device)
-                metrics = {
-                    "epoch": epoch + 1,
-                    "train_loss": train_loss,
-                    "top1": metrics["top1"],
-                    "test_loss": metrics["loss"],
-                    "lr": float(scheduler.get_last_lr()[0]),
-                    "epoch_seconds": time.perf_counter() - started,
-                }
-                history.append(metrics)
-                epochs.set_postfix(top1=f"{metrics['top1']:.1f}", loss=f"{train_loss:.3f}")
-            rng_states = _gather_rng(dist_info)
-            if out is not None and dist_info.is_main:
-                # The checkpoint's rename commits the epoch; the views follow it.
-                if cfg.train.checkpoint:
-                    extra: dict[str, Any] = {"torch_rng": rng_states}
-                    if query_gen is not None:
-                        extra["query_rng"] = query_gen.get_state()
-                    save_checkpoint(
-                        out / CHECKPOINT_NAME,
-                        model=model,
-                        optimizer=optimizer,
-                        scheduler=scheduler,
-                        meta={
-                            "model_name": cfg.model,
-                            "model_options": plain_options(model_options),
-                            "epoch": epoch + 1,
-                            "config": to_dict(cfg),
-                            "metrics": metrics,
-                            "history": history,
-                        },
-                        extra=extra,
-                    )
-                write_metrics(out, history)
-                remove_stale_temporaries(out)
-            barrier(dist_info)
+                train_model = DistributedDataParallel(
+                    model, device_ids=[device.index] if device.type == "cuda" else None
+                )
+
+            end_epoch = cfg.optim.epochs
+            if stop_after_epochs is not None:
+                end_epoch = min(end_epoch, start_epoch + stop_after_epochs)
+            show = progress and dist_info.is_main
+            metrics: dict[str, float] = history[-1] if history else {}
+            epochs = progress_bar(range(start_epoch, end_epoch), desc="epochs", show=show)
+            for epoch in epochs:
+                loader.batch_sampler.set_epoch(epoch)  # type: ignore[union-attr]
+                train_model.train()
+                started = time.perf_counter()
+                loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+                batches = progress_bar(loader, desc=f"epoch {epoch + 1}", show=show, leave=False)
+                for step, (inputs, target) in enumerate(batches):
+                    inputs, target = to_device(inputs, device), target.to(device)
+                    kwargs = sample_kwargs() if sample_kwargs is not None else {}
+                    logits = call_model(train_model, inputs, **kwargs)
+                    loss = loss_fn(logits, target, inputs)
+                    # One host sync per step: a diverged run must stop before it overwrites anything.
+                    if not torch.isfinite(loss).item():
+                        discard = out is not None and dist_info.is_main and not history
+                        raise NonFiniteLossError(_stop_message(loss, epoch, step, out, discarded=discard))
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    if cfg.train.grad_clip is not None:
+                        nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+                    optimizer.step()
+                    scheduler.step()
+                    loss_sum += loss.detach().double()
+                if dist_info.enabled:
+                    # Each process saw half of every global batch: report the global mean.
+                    dist.all_reduce(loss_sum)
+                    loss_sum /= dist_info.world_size
+                train_loss = loss_sum.item() / max(1, steps_per_epoch)
+                if dist_info.is_main:
+                    metrics = evaluate(model, test_loader, device=device)
+                    metrics = {
+                        "epoch": epoch + 1,
+                        "train_loss": train_loss,
+                        "top1": metrics["top1"],
+                        "test_loss": metrics["loss"],
+                        "lr": float(scheduler.get_last_lr()[0]),
+                        "epoch_seconds": time.perf_counter() - started,
+                    }
+                    history.append(metrics)
+                    epochs.set_postfix(top1=f"{metrics['top1']:.1f}", loss=f"{train_loss:.3f}")
+                rng_states = _gather_rng(dist_info)
+                if out is not None and dist_info.is_main:
+                    # The checkpoint's rename commits the epoch; the views follow it.
+                    if cfg.train.checkpoint:
+                        extra: dict[str, Any] = {"torch_rng": rng_states}
+                        if query_gen is not None:
+                            extra["query_rng"] = query_gen.get_state()
+                        save_checkpoint(
+                            out / CHECKPOINT_NAME,
+                            model=model,
+                            optimizer=optimizer,
+                            scheduler=scheduler,
+                            meta={
+                                "model_name": cfg.model,
+                                "model_options": plain_options(model_options),
+                                "epoch": epoch + 1,
+                                "config": to_dict(cfg),
+                                "metrics": metrics,
+                                "history": history,
+                            },
+                            extra=extra,
+                        )
+                    write_metrics(out, history)
+                    remove_stale_temporaries(out)
+                barrier(dist_info)
+        except Exception:
+            # Nothing committed yet (a diverged loss, a failure in the first epoch): leave
+            # no half-run behind, so the same command, mended, needs no --overwrite.
+            if out is not None and dist_info.is_main and not history:
+                discard_uncommitted_run(out)
+            raise
         return FitResult(
             model=model, metrics=metrics, history=history, model_options=model_options, out_dir=out
         )
