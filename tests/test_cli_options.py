@@ -516,3 +516,25 @@ def test_perceiver_eval_keeps_earlier_results_and_other_folders(tmp_path: Path, 
     )
     (tmp_path / "file").write_text("")
     assert "is a file" in _error([*argv, "--out", str(tmp_path / "file")], capsys)
+
+
+@pytest.mark.parametrize(
+    ("model", "host"),
+    [("sret_test", "SReT"), ("recursive_mixer_test", "RecursiveMixer"), ("detr_encoder_test", "DETREncoder")],
+)
+def test_cluster_maps_refuse_models_token_pooling_does_not_apply_to(
+    model: str, host: str, tmp_path: Path, capsys: Capture
+) -> None:
+    err = _error(["visualize", "clusters", "--model", model, "--out", str(tmp_path)], capsys)
+    assert f"token pooling applies to DeiT models, timm ViTs and Hugging Face ViTs, not to {host}" in err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", [["eval"], ["bench", "--runs", "1"], ["visualize", "clusters"]])
+def test_checkpoint_at_an_image_size_the_patch_does_not_divide(
+    command: list[str], checkpoint: Path, tmp_path: Path, capsys: Capture
+) -> None:
+    argv = [*command, "--checkpoint", str(checkpoint), "--img-size", "30"]
+    if command[0] == "visualize":
+        argv += ["--out", str(tmp_path)]
+    assert "image size 30x30 is not a multiple of the patch size 4x4" in _error(argv, capsys)

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.apps.cluster_maps import grid_of, patch_assignment, to_image, trace_token_sources
     from leanformer.apps.plots import plot_cluster_maps
     from leanformer.apps.sweep_config import BASELINE
-    from leanformer.apps.tradeoff import with_method
+    from leanformer.apps.tradeoff import check_poolable, with_method
     from leanformer.data.registry import build_dataset
     from leanformer.engine.builders import check_data_fits
     from leanformer.models.pretrained import model_card
@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     torch.manual_seed(args.seed)
     base = (trained if trained is not None else _build(args, data.info)).to(args.device).eval()
     check_data_fits(type(base), data.info, name=getattr(base, "leanformer_name", None))
+    check_poolable(type(base))  # the maps follow patch tokens through a ViT's blocks
     grid = grid_of(base)
     keep = parse_keep(args.keep)  # already a KeepSchedule from the command line; as is then
     budgets = keep.per_block(depth=len(base.blocks), num_tokens=grid[0] * grid[1])  # type: ignore[arg-type]
