@@ -114,7 +114,8 @@ def test_train_then_eval(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_progress_bars_only_on_a_terminal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Text-mode train and eval draw bars on a terminal, none when stderr is captured."""
+    """Text-mode commands draw bars over their long work on a terminal, none with --quiet or
+    when stderr is captured."""
     import io
 
     run = tmp_path / "run"
@@ -129,12 +130,24 @@ def test_progress_bars_only_on_a_terminal(
         def isatty(self) -> bool:
             return True
 
-    for argv, desc in ((evaluate, "eval"), ([*train, "--epochs", "2", "--resume"], "epoch 2")):
-        term = Terminal()
-        monkeypatch.setattr("sys.stderr", term)
-        assert main(argv) == 0
-        monkeypatch.undo()
-        assert desc in term.getvalue()
+    perceiver = ["--model", "visual_perceiver_test", "--limit", "16", "--batch-size", "8"]
+    perceiver_eval = ["perceiver-eval", *perceiver, "--ks", "1,2", "--reps", "1", "--runs", "2"]
+    perceiver_eval += ["--time-batch", "2", "--thresholds", "0.9", "--out", str(tmp_path / "pe")]
+    attention = ["visualize", "perceiver-attention", *perceiver, "--out", str(tmp_path / "maps.png")]
+    for argv, descs in (
+        (evaluate, ["eval"]),
+        ([*train, "--epochs", "2", "--resume"], ["epoch 2"]),
+        (["bench", "--model", "deit_test", "--runs", "2"], ["timing"]),
+        ([*perceiver_eval, "--overwrite"], ["accuracy by K", "K=2", "random K subsets", "timing", "t=0.9"]),
+        (attention, ["attention maps"]),
+    ):
+        for quiet in (False, True):
+            term = Terminal()
+            monkeypatch.setattr("sys.stderr", term)
+            assert main([*argv, "--quiet"] if quiet else argv) == 0
+            monkeypatch.undo()
+            for desc in descs:
+                assert (desc in term.getvalue()) is not quiet, (argv[0], desc, quiet)
 
 
 def test_group_without_name_prints_help(capsys: pytest.CaptureFixture[str]) -> None:

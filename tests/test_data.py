@@ -36,7 +36,7 @@ def test_digits_options() -> None:
         build_dataset("digits", split="train", size=16)
     with pytest.raises(ValueError, match="option test_fraction expects a number, got 'abc'"):
         build_dataset("digits", split="train", test_fraction="abc")
-    with pytest.raises(ValueError, match="option img_size expects an integer, got 16.5"):
+    with pytest.raises(ValueError, match=r"option img_size expects an integer, got 16\.5"):
         build_dataset("digits", split="train", img_size=16.5)
 
 

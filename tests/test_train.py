@@ -146,7 +146,10 @@ def test_cli_resume_uses_the_run_config(tmp_path: Path, capsys: pytest.CaptureFi
     ("overrides", "message"),
     [
         ({"model_options.num_classes": "5"}, "the model gives 5 class scores, but the data has 10 classes"),
-        ({"model_options.num_classes": "12", "train.teacher": "deit_test"}, "student and teacher logits differ"),
+        (
+            {"model_options.num_classes": "12", "train.teacher": "deit_test"},
+            "student and teacher logits differ",
+        ),
     ],
 )
 def test_a_model_or_teacher_that_does_not_fit_the_data_is_refused_before_writing(
@@ -158,4 +161,3 @@ def test_a_model_or_teacher_that_does_not_fit_the_data_is_refused_before_writing
     with pytest.raises(ValueError, match=message):
         fit(load_config(None, {**QUICK, **overrides}), out_dir=out, progress=False)
     assert not out.exists()
-

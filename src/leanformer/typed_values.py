@@ -13,7 +13,6 @@ from typing import Any
 
 import yaml
 
-
 _NULL_WORDS = ("", "none", "null", "~")
 
 

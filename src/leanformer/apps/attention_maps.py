@@ -18,13 +18,20 @@ from torch import Tensor, nn
 
 from leanformer.apps.plots import save_figure
 from leanformer.engine.evaluate import to_device
+from leanformer.progress import progress_bar
 
 
 @torch.inference_mode()
 def average_cross_attention(
-    model: nn.Module, loader: Iterable[Any], *, num_queries: int | None = None, device: str = "cpu"
+    model: nn.Module,
+    loader: Iterable[Any],
+    *,
+    num_queries: int | None = None,
+    device: str = "cpu",
+    progress: bool = False,
 ) -> Tensor:
-    """``[K, H/p, W/p]``: each query's cross-attention map averaged over the dataset."""
+    """``[K, H/p, W/p]``: each query's cross-attention map averaged over the dataset
+    (``progress``: a bar over the batches)."""
     maps_fn = getattr(model, "cross_attention_maps", None)
     if not callable(maps_fn):
         raise ValueError(f"{type(model).__name__} has no cross_attention_maps (expected a Visual Perceiver)")
@@ -33,7 +40,7 @@ def average_cross_attention(
     total: Tensor | None = None
     count = 0
     try:
-        for inputs, _ in loader:
+        for inputs, _ in progress_bar(loader, desc="attention maps", show=progress, leave=False):
             maps = maps_fn(to_device(inputs, device), num_queries=num_queries)  # [B, K, h, w]
             total = maps.sum(0) if total is None else total + maps.sum(0)
             count += maps.shape[0]

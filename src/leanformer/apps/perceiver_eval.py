@@ -36,6 +36,7 @@ from leanformer.engine.evaluate import evaluate
 from leanformer.models.perceiver import VisualPerceiver
 from leanformer.models.query_budget import query_budget
 from leanformer.ops.query_selection import bucket_counts, kept_positions, select_queries
+from leanformer.progress import progress_bar
 
 PAPER_KS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
 PAPER_THRESHOLDS: tuple[float, ...] = (0.6, 0.65, 0.7, 0.8, 0.9, 0.99)
@@ -54,12 +55,19 @@ def check_ks(model: nn.Module, ks: Iterable[int]) -> list[int]:
 
 
 def accuracy_by_k(
-    model: nn.Module, loader: Iterable[Any], ks: Sequence[int], *, device: str = "cpu"
+    model: nn.Module,
+    loader: Iterable[Any],
+    ks: Sequence[int],
+    *,
+    device: str = "cpu",
+    progress: bool = False,
 ) -> list[dict[str, Any]]:
     """``[{"k", "top1", "loss"}]``: the first ``k`` queries for the whole dataset."""
     rows = []
-    for k in check_ks(model, ks):
-        m = evaluate(model, loader, forward_kwargs={"num_queries": k}, device=device)
+    for k in progress_bar(check_ks(model, ks), desc="accuracy by K", show=progress):
+        m = evaluate(
+            model, loader, forward_kwargs={"num_queries": k}, device=device, progress=progress, desc=f"K={k}"
+        )
         rows.append({"k": k, "top1": m["top1"], "loss": m["loss"]})
     return rows
 
@@ -72,6 +80,7 @@ def random_subset_accuracy(
     reps: int = 5,
     seed: int = 0,
     device: str = "cpu",
+    progress: bool = False,
 ) -> list[dict[str, Any]]:
     """``[{"k", "top1_mean", "top1_std", "top1_reps"}]``: each repetition draws one random
     ``k``-subset of the queries and uses it for the whole dataset (the paper's baseline)."""
@@ -80,11 +89,17 @@ def random_subset_accuracy(
     total = query_budget(model, needed_by="the Perceiver tables")
     g = torch.Generator().manual_seed(seed)
     rows = []
-    for k in check_ks(model, ks):
+    for k in progress_bar(check_ks(model, ks), desc=f"random K subsets ({reps} each)", show=progress):
         accs = []
-        for _ in range(reps):
+        for rep in range(reps):
             index = torch.randperm(total, generator=g)[:k].sort().values.to(device)
-            accs.append(evaluate(model, loader, forward_kwargs={"query_index": index}, device=device)["top1"])
+            kwargs = {"query_index": index}
+            desc = f"K={k}, draw {rep + 1}"
+            accs.append(
+                evaluate(model, loader, forward_kwargs=kwargs, device=device, progress=progress, desc=desc)[
+                    "top1"
+                ]
+            )
         std = statistics.stdev(accs) if len(accs) > 1 else 0.0
         rows.append({"k": k, "top1_mean": statistics.fmean(accs), "top1_std": std, "top1_reps": accs})
     return rows
@@ -97,6 +112,7 @@ def cost_by_k(
     batch: Tensor,
     warmup: int = 2,
     runs: int = 5,
+    progress: bool = False,
 ) -> list[dict[str, Any]]:
     """``[{"k", "gflops", "ms_per_batch", "img_per_s", "rel_time"}]`` on ``batch [B, C, H, W]``.
 
@@ -109,7 +125,7 @@ def cost_by_k(
     ks = check_ks(model, ks)
     fns = {k: (lambda k=k: model(batch, num_queries=k)) for k in ks}
     with torch.inference_mode():
-        seconds = time_interleaved(fns, warmup=warmup, runs=runs)
+        seconds = time_interleaved(fns, warmup=warmup, runs=runs, progress=progress)
     full = seconds[max(ks)]
     return [
         {
@@ -131,11 +147,12 @@ def dqs_sweep(
     *,
     rule: str = "any",
     device: str = "cpu",
+    progress: bool = False,
 ) -> list[dict[str, Any]]:
     """``[{"threshold", "rule", "kept_mean", "kept_std", "kept_min", "kept_max", "top1"}]``."""
     query_budget(model, needed_by="the DQS sweep")
     rows = []
-    for t in thresholds:
+    for t in progress_bar(thresholds, desc="DQS thresholds", show=progress):
         counts: list[Tensor] = []
 
         def collect(m: nn.Module, counts: list[Tensor] = counts) -> None:
@@ -150,6 +167,8 @@ def dqs_sweep(
             forward_kwargs={"dqs_threshold": float(t), "dqs_rule": rule},
             device=device,
             after_batch=collect,
+            progress=progress,
+            desc=f"t={t}",
         )
         c = torch.cat(counts)
         rows.append(

@@ -60,8 +60,10 @@ def bench_model(
     runs: int = 10,
     memory: bool = True,
     compile: bool = False,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Params (M), GFLOPs/sample (multiply-adds), img/s, ms/batch, peak memory (MB), extras.
+    ``progress``: a bar over the timed runs.
 
     ``compile``: time (and measure the memory of) ``torch.compile(model, fullgraph=True)``;
     ``compile_s`` is the first call's duration, left out of the steady-state timings
@@ -78,7 +80,9 @@ def bench_model(
     }
     if compile:
         model, row["compile_s"] = compile_for_inference(model, inputs, forward_kwargs=kwargs)
-    row.update(measure_throughput(model, inputs, forward_kwargs=kwargs, warmup=warmup, runs=runs))
+    row.update(
+        measure_throughput(model, inputs, forward_kwargs=kwargs, warmup=warmup, runs=runs, progress=progress)
+    )
     if memory:
         device = inputs[0].device if isinstance(inputs[0], torch.Tensor) else torch.device("cpu")
 

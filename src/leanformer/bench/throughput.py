@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from leanformer.bench.flops import batch_size_of
+from leanformer.progress import progress_bar
 
 
 def _sync(device: torch.device) -> None:
@@ -25,8 +26,11 @@ def measure_throughput(
     forward_kwargs: dict[str, Any] | None = None,
     warmup: int = 3,
     runs: int = 10,
+    progress: bool = False,
 ) -> dict[str, float | int]:
-    """Time ``model(*inputs)`` in eval mode; returns ``img_per_s``, ``ms_per_batch`` (median), ``threads``."""
+    """Time ``model(*inputs)`` in eval mode; returns ``img_per_s``, ``ms_per_batch`` (median), ``threads``.
+
+    ``progress``: a bar over the runs (it advances between them, outside the timed calls)."""
     if warmup < 0 or runs < 1:
         raise ValueError(f"need warmup >= 0 and runs >= 1, got warmup={warmup}, runs={runs}")
     kwargs = forward_kwargs or {}
@@ -39,7 +43,7 @@ def measure_throughput(
             model(*inputs, **kwargs)
         _sync(device)
         times = []
-        for _ in range(runs):
+        for _ in progress_bar(range(runs), desc="timing", show=progress, leave=False):
             start = time.perf_counter()
             model(*inputs, **kwargs)
             _sync(device)

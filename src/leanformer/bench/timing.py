@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, TypeVar
 
+from leanformer.progress import progress_bar
+
 Key = TypeVar("Key", bound=Hashable)  # what names each timed function (a string, a query count, ...)
 
 
@@ -18,15 +20,17 @@ def time_interleaved(
     warmup: int,
     runs: int,
     clock: Callable[[], float] = time.perf_counter,
+    progress: bool = False,
 ) -> dict[Key, float]:
-    """Median seconds per call of every function (``clock``: wall by default, or e.g. process time)."""
+    """Median seconds per call of every function (``clock``: wall by default, or e.g. process
+    time). ``progress``: a bar over the rounds (it advances between them, outside the timed calls)."""
     if warmup < 0 or runs < 1:
         raise ValueError(f"need warmup >= 0 and runs >= 1, got warmup={warmup}, runs={runs}")
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[Key, list[float]] = {name: [] for name in fns}
-    for _ in range(runs):
+    for _ in progress_bar(range(runs), desc="timing", show=progress, leave=False):
         for name, fn in fns.items():
             start = clock()
             fn()

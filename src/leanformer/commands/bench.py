@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             runs=args.runs,
             memory=not args.no_memory,
             compile=args.compile,
+            progress=not (args.quiet or args.json),
         )
     )
     _print(args, name, row)
@@ -167,6 +168,7 @@ def _run_host(args: argparse.Namespace) -> list[dict]:
             runs=args.runs,
             memory=not args.no_memory,
             compile=args.compile,
+            progress=not (args.quiet or args.json),
         )
     )
     _print(args, name, row)

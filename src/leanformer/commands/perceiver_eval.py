@@ -99,9 +99,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     model, dataset = load_perceiver(args, split=args.split, command="perceiver-eval")
     ks = _query_counts(args.ks, query_budget(model, needed_by="perceiver-eval"))
     loader = eval_loader(dataset, batch_size=args.batch_size or 256)
-    acc = accuracy_by_k(model, loader, ks, device=args.device)
+    show = not (args.quiet or args.json)
+    acc = accuracy_by_k(model, loader, ks, device=args.device, progress=show)
     base = (
-        random_subset_accuracy(model, loader, ks, reps=args.reps, seed=args.seed, device=args.device)
+        random_subset_accuracy(
+            model, loader, ks, reps=args.reps, seed=args.seed, device=args.device, progress=show
+        )
         if args.reps
         else []
     )
@@ -110,8 +113,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         first = dataset[0][0]
         g = torch.Generator().manual_seed(args.seed)
         batch = torch.randn(args.time_batch, *first.shape, generator=g).to(args.device)
-        cost = cost_by_k(model, ks, batch=batch, runs=args.runs)
-    dqs = dqs_sweep(model, loader, args.thresholds, rule=args.dqs_rule, device=args.device)
+        cost = cost_by_k(model, ks, batch=batch, runs=args.runs, progress=show)
+    dqs = dqs_sweep(model, loader, args.thresholds, rule=args.dqs_rule, device=args.device, progress=show)
 
     by_k = {r["k"]: r for r in cost}
     base_k = {r["k"]: r for r in base}

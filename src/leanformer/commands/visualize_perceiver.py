@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         eval_loader(dataset, batch_size=args.batch_size or 128),
         num_queries=args.num_queries,
         device=args.device,
+        progress=not (args.quiet or args.json),
     )
     name = getattr(model, "leanformer_name", type(model).__name__)
     path = save_attention_grid(
