@@ -50,6 +50,25 @@ def test_help_names_every_default() -> None:
     assert "(default: 10)" in bench_help and "(default: 3)" in bench_help
 
 
+def test_train_help_names_the_built_in_config_values() -> None:
+    """train's config flags default to "not given"; their help names what stands then."""
+    from leanformer.config import RunConfig
+
+    train = next(p for p in _parsers(build_parser()) if p.prog == "leanformer train")
+    helps = {a.option_strings[0]: a.help or "" for a in train._actions if a.option_strings}
+    built_in = RunConfig()
+    for flag, value in (
+        ("--model", built_in.model),
+        ("--data", built_in.data.name),
+        ("--batch-size", built_in.data.batch_size),
+        ("--lr", built_in.optim.lr),
+        ("--epochs", built_in.optim.epochs),
+        ("--distill-tau", built_in.train.distill_tau),
+    ):
+        assert f"(default: {value}, unless --config sets it)" in helps[flag], flag
+    assert "default" not in helps["--pool"]  # the model's own, which differs by model
+
+
 def test_bench_rows_have_the_same_keys(capsys: Capture) -> None:
     runs = [
         ["--model", "deit_test"],

@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from leanformer.config import RunConfig, declared_flags, parse_scalar
+from leanformer.config import RunConfig, declared_flags, parse_scalar, to_dict
 from leanformer.layers.budgets import KeepSchedule, parse_keep
 from leanformer.models.query_budget import check_query_count, has_query_budget
 
@@ -100,6 +100,22 @@ def add_config_flags(
         parser.add_argument(
             spec.name, type=kind, action=action, default=defaults.get(key), metavar=spec.metavar, help=help
         )
+
+
+def show_config_defaults(parser: argparse.ArgumentParser, *, unless: str) -> None:
+    """Name the built-in config's value in the help of every config flag ``parser`` has
+    (they default to "not given", so argparse shows none): ``(default: 1e-3, unless
+    --config sets it)``. For commands whose flags fall back on exactly that config."""
+    built_in = to_dict(RunConfig())
+    options = {name: action for action in parser._actions for name in action.option_strings}
+    for key, spec in declared_flags(RunConfig):
+        value: Any = built_in
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        action = options.get(spec.name)
+        if action is None or value is None or spec.type is bool or action.default is not None:
+            continue
+        action.help = f"{action.help} (default: {value}, unless {unless} sets it)"
 
 
 def config_flags_given(

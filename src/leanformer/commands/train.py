@@ -14,6 +14,7 @@ from leanformer.commands._options import (
     add_model_arguments,
     config_flags_given,
     dotted_overrides,
+    show_config_defaults,
 )
 from leanformer.config import RunConfig, load_config
 
@@ -27,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_data_arguments(parser)
     add_config_flags(parser, "optim", "train")
+    show_config_defaults(parser, unless="--config")
     parser.add_argument(
         "--out", default=None, help="run folder; it must not hold a run already (default: runs/<model>)"
     )
