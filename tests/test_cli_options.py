@@ -32,6 +32,16 @@ def _error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return err
 
 
+def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """A flag argparse refuses: exit code 2 and one line, before any command runs."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    return err
+
+
 def test_options_after_the_group_name_reach_the_command() -> None:
     parser = build_parser()
     args = parser.parse_args(["visualize", "--json", "--seed", "5", "enact"])
@@ -538,3 +548,94 @@ def test_checkpoint_at_an_image_size_the_patch_does_not_divide(
     if command[0] == "visualize":
         argv += ["--out", str(tmp_path)]
     assert "image size 30x30 is not a multiple of the patch size 4x4" in _error(argv, capsys)
+
+
+def test_a_teacher_path_that_does_not_exist_is_named_as_a_path(tmp_path: Path, capsys: Capture) -> None:
+    out = tmp_path / "run"
+    for teacher in ("missing.safetensors", str(tmp_path / "gone")):
+        err = _error([*TRAIN, "--teacher", teacher, "--out", str(out)], capsys)
+        assert f"teacher {teacher}: no such checkpoint file or run folder" in err
+    assert "unknown model 'deit_tset'; did you mean deit_test" in _error(
+        [*TRAIN, "--teacher", "deit_tset", "--out", str(out)], capsys
+    )
+    assert not out.exists()
+
+
+def test_eval_of_shipped_weights_reads_the_data_they_were_trained_on(tmp_path: Path, capsys: Capture) -> None:
+    """Without --data, deit_fashion's own data (its 28x28 images fit its position
+    embeddings; here a few written by hand); with other data the error says which data
+    the weights were trained on."""
+    from test_fashion_mnist import write_fashion
+
+    write_fashion(tmp_path)
+    argv = ["eval", "--model", "deit_fashion", "--pretrained", "--data-root", str(tmp_path), "--json"]
+    assert main(argv) == 0
+    (row,) = _rows(capsys)
+    assert row["n"] == 6 and row["model"] == "deit_fashion"
+    err = _error(["eval", "--model", "deit_fashion", "--pretrained", "--data", "digits"], capsys)
+    assert "do not fit the options or data given (they were trained on fashion_mnist)" in err
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p.write_bytes(bytes(range(128, 256))), "is not a text file (not UTF-8)"),
+        (lambda p: p.mkdir(), "is a folder; give a YAML file"),
+    ],
+)
+def test_a_config_that_is_not_a_yaml_file_is_named(
+    tmp_path: Path, make, message: str, capsys: Capture
+) -> None:
+    config = tmp_path / "config.yaml"
+    make(config)
+    assert f"config file {config} {message}" in _error(["train", "--config", str(config)], capsys)
+
+
+def test_single_figure_commands_write_into_an_existing_folder(tmp_path: Path, capsys: Capture) -> None:
+    """``--out FOLDER`` puts the figure in the folder, not beside it as FOLDER.png."""
+    folder = tmp_path / "figures"
+    folder.mkdir()
+    argv = ["visualize", "perceiver-attention", "--model", "visual_perceiver_test", "--limit", "4"]
+    assert main([*argv, "--out", str(folder), "--quiet"]) == 0
+    assert main(["visualize", "enact", "--image", "noise", "--out", str(folder), "--quiet"]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "enact_noise_seed0_s16_sigma3.png",
+        "perceiver_attention.png",
+    ]
+    assert not (tmp_path / "figures.png").exists()
+    for cols in ("0", "-2"):
+        err = _usage_error([*argv, "--cols", cols, "--out", str(folder)], capsys)
+        assert f"argument --cols: must be >= 1, got {cols}" in err
+
+
+def test_enact_refuses_both_inputs(tmp_path: Path, capsys: Capture) -> None:
+    err = _error(["visualize", "enact", "--image", "flower", "--input", str(tmp_path / "x.png")], capsys)
+    assert "give --image (a bundled input) or --input (an image file), not both" in err
+
+
+def test_models_suggests_close_names(capsys: Capture) -> None:
+    assert main(["models", "deit_tset"]) == 0
+    assert "no models match; did you mean deit_test" in capsys.readouterr().out
+    assert main(["models", "deit_tset*"]) == 0
+    assert capsys.readouterr().out.strip() == "no models match"
+
+
+def test_an_unknown_detr_backbone_is_refused_with_close_names(capsys: Capture) -> None:
+    err = _error(["bench", "--hf-model", "detr", "--opt", "backbone=resnet1", "--runs", "1"], capsys)
+    assert "unknown DETR backbone 'resnet1'; did you mean resnet18" in err
+
+
+def test_a_checkpoint_on_data_of_other_channels(checkpoint: Path, capsys: Capture) -> None:
+    err = _error(["eval", "--checkpoint", str(checkpoint), "--data.options.channels", "3"], capsys)
+    assert "deit_test takes images of 1 channel(s), but the data gives 3" in err
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999", "-1", "4294967296"])
+def test_seeds_out_of_range_name_the_flag(seed: str, tmp_path: Path, capsys: Capture) -> None:
+    err = _usage_error([*TRAIN, "--seed", seed, "--out", str(tmp_path / "run")], capsys)
+    assert f"argument --seed: the seed must be an integer in [0, 4294967295], got {seed}" in err
+    config = tmp_path / "seed.yaml"
+    config.write_text(f"seed: {seed}\n")
+    err = _error([*TRAIN, "--config", str(config), "--out", str(tmp_path / "run")], capsys)
+    assert f"seed must be an integer in [0, 4294967295], got {seed}" in err
+    assert not (tmp_path / "run").exists()

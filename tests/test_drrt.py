@@ -194,8 +194,9 @@ def test_bad_options_raise() -> None:
         DRRT(inputs="c")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="has no option 'fuse'; did you mean fusion"):
         create_model("drrt", fuse="sum")
-    with pytest.raises(ValueError, match=r"expected point measurements \[B, 16\]"):
+    with pytest.raises(ValueError, match=r"expected point measurements \[B, 16\]") as info:
         small()(inputs(2)[0], torch.randn(2, 9))
+    assert "points_grid is 4x4: build it for the data's grid (--opt points_grid=N" in str(info.value)
     with pytest.raises(ValueError, match="feature_size does not apply"):
         small().example_inputs(2, feature_size=(4, 4))
 

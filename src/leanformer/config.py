@@ -76,6 +76,26 @@ def positive_int(text: str) -> int:
     return value
 
 
+# torch, numpy and the engine's derived seeds (seed * 1000 + rank) all take this range.
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(value: int, name: str = "seed") -> int:
+    """``value`` if it is a seed in [0, 2^32 - 1]; a ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SEED:
+        raise ValueError(f"{name} must be an integer in [0, {MAX_SEED}], got {value!r}")
+    return value
+
+
+def seed_argument(text: str) -> int:
+    """``--seed``: an integer in [0, 2^32 - 1] (a larger one overflowed inside torch)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+    return check_seed(value, "the seed")
+
+
 def positive_number(text: str) -> float:
     """A number > 0 (``--lr``)."""
     try:
@@ -268,10 +288,14 @@ def apply_overrides(config: RunConfig, overrides: dict[str, Any]) -> RunConfig:
 def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict[str, Any]:
     """The YAML mapping in ``path`` (empty file: ``{}``); a ``ValueError`` naming ``what`` otherwise."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder; give a YAML file")
     if not path.is_file():
         raise ValueError(f"{what} {path} does not exist")
     try:
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {path} is not a text file (not UTF-8); give a YAML file") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"{what} {path} is not valid YAML: {exc}") from None
     if not isinstance(loaded, dict):

@@ -52,8 +52,9 @@ def build_detr_pair(
     unknown = sorted(set(config) - known)
     if unknown:
         raise ValueError(f"DetrConfig has no field {', '.join(unknown)}")
-    torch.manual_seed(seed)
     options = {"backbone": "resnet50", **config}
+    _check_backbone(options["backbone"])
+    torch.manual_seed(seed)
     # transformers' signature omits the backbone keywords its config still reads from **kwargs.
     detr_config = DetrConfig(  # type: ignore[call-arg]
         use_timm_backbone=True, use_pretrained_backbone=False, dilation=dilation, **options
@@ -61,6 +62,19 @@ def build_detr_pair(
     dense = DetrForObjectDetection(detr_config).eval()
     enact = apply_enact(copy.deepcopy(dense), sigma=sigma)
     return dense, enact
+
+
+def _check_backbone(name: Any) -> None:
+    """timm builds the backbone; an unknown name would fail inside transformers with a bare
+    RuntimeError."""
+    import difflib
+
+    import timm
+
+    if not isinstance(name, str) or not timm.is_model(name):
+        close = difflib.get_close_matches(str(name), timm.list_models("resnet*"), n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else " (a timm model name, e.g. resnet50)"
+        raise ValueError(f"unknown DETR backbone {name!r}{hint}")
 
 
 def photo_batch(batch_size: int, img_size: tuple[int, int]) -> tuple[Tensor, Tensor]:

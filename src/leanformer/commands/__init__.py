@@ -54,10 +54,25 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, inherit: bool = Fal
         "--quiet", action="store_true", default=default(False), help="no progress bars or chatter"
     )
     parser.add_argument("--device", default=default("cpu"), help="torch device (default: cpu)")
-    parser.add_argument("--seed", type=int, default=default(0), help="random seed (default: 0)")
+    parser.add_argument(
+        "--seed",
+        type=_seed,
+        default=default(0),
+        help="random seed, 0 to 2^32 - 1 (default: 0)",
+    )
     parser.add_argument(
         "--threads", type=int, default=default(None), help="torch intra-op threads (default: torch's)"
     )
+
+
+def _seed(text: str) -> int:
+    """``--seed`` as an argparse type: the config's check, its message as the usage error."""
+    from leanformer.config import seed_argument
+
+    try:
+        return seed_argument(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def given(args: argparse.Namespace, option: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from leanformer.config import RunConfig, declared_flags, parse_scalar, to_dict
@@ -60,6 +61,13 @@ def argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(str(err)) from None
 
     return convert
+
+
+def figure_path(out: str, default_name: str) -> Path:
+    """``--out`` of a command that draws one figure: a file path, or an existing folder to
+    put ``default_name`` in (not ``<folder>.png`` beside it)."""
+    path = Path(out)
+    return path / default_name if path.is_dir() else path
 
 
 def keep_argument(text: str) -> KeepSchedule:

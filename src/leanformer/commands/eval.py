@@ -77,6 +77,11 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
             "give --checkpoint PATH (a trained run), --model NAME [--pretrained], --timm-model or --hf-model"
         )
 
+    if args.pretrained and args.config is None and "data.name" not in overrides:
+        from leanformer.models.pretrained import model_card
+
+        # Shipped weights are sized for their own data (deit_fashion: 28x28 grey images).
+        overrides["data.name"] = model_card(args.model)["data"]["name"]
     cfg = load_config(args.config, {"model": args.model, **overrides})
     info = build_split(cfg.data, args.split).info  # type: ignore[attr-defined]
     torch.manual_seed(args.seed)
@@ -124,13 +129,14 @@ def _warn_untrained(model: torch.nn.Module) -> None:
 
 def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.data.loaders import eval_loader
-    from leanformer.engine.builders import build_split, check_data_fits
+    from leanformer.engine.builders import build_split, check_channels_fit, check_data_fits
     from leanformer.engine.evaluate import evaluate
 
     cfg, model = _config(args)
     dataset = build_split(cfg.data, args.split)
     info = dataset.info  # type: ignore[attr-defined]
     check_data_fits(type(model), info, name=getattr(model, "leanformer_name", None))
+    check_channels_fit(model, info, name=getattr(model, "leanformer_name", None))
     kept: list[torch.Tensor] = []
 
     def collect(m: torch.nn.Module) -> None:

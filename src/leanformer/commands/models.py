@@ -49,5 +49,14 @@ def run(args: argparse.Namespace) -> list[dict]:
             mark = " [pretrained]" if r["pretrained"] else ""
             print(f"{r['model']:<{width}}  {r['family']:<10} {r['description']}{mark}")
         if not rows:
-            print("no models match")
+            print(f"no models match{_near_names(args.pattern)}")
     return rows
+
+
+def _near_names(pattern: str | None) -> str:
+    """``"; did you mean deit_test?"`` for a plain name (no glob characters) that is close
+    to registered ones; empty otherwise."""
+    if pattern is None or any(c in pattern for c in "*?["):
+        return ""
+    close = difflib.get_close_matches(pattern, list_models(), n=3, cutoff=0.6)
+    return f"; did you mean {', '.join(close)}?" if close else ""

@@ -15,6 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from leanformer.commands._options import figure_path
 from leanformer.ops.entropy_map import check_sigma
 
 # The keys of leanformer.apps.enact_maps.SAMPLES, spelled here: every command's parser is
@@ -27,7 +28,7 @@ HELP = "plot ENACT's entropy map, curvature signs and region boundaries for an i
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--image", default="china", choices=[*_SAMPLES, "noise"], help="bundled input (default: china)"
+        "--image", choices=[*_SAMPLES, "noise"], help="bundled input (default: china, unless --input)"
     )
     parser.add_argument("--input", help="an image file instead of --image")
     parser.add_argument("--stride", type=int, default=16, help="conv stem stride, a power of 2 (default 16)")
@@ -37,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", help="a trained detr_encoder checkpoint: use its first ENACT layer")
     parser.add_argument(
         "--out",
-        help="PNG path (default: runs/enact_<image>_s<stride>_sigma<sigma>[_<checkpoint>].png, "
-        "named after what it shows so that different runs do not overwrite each other)",
+        help="PNG path, or a folder to write the default name in (default: "
+        "runs/enact_<image>_s<stride>_sigma<sigma>[_<checkpoint>].png, named after what it shows "
+        "so that different runs do not overwrite each other)",
     )
 
 
@@ -61,6 +63,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from leanformer.apps.enact_maps import conv_stem, enact_attention, enact_maps, load_image, plot_enact_maps
 
     check_sigma(args.sigma)
+    if args.input and args.image:
+        raise ValueError("give --image (a bundled input) or --input (an image file), not both")
+    args.image = args.image or "china"
     stem = conv_stem(args.stride, 256, args.seed).eval()
     image, name = load_image(args.input, args.image, seed=args.seed)
     attn = enact_attention(args.checkpoint, d_model=256, sigma=args.sigma, seed=args.seed).eval()
@@ -69,7 +74,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     maps = enact_maps(image, stem, attn)
     H, W = maps.regions.shape
     title = f"{name}: {H}x{W} features"
-    target = Path(args.out) if args.out else default_out(args, name)
+    named = default_out(args, name)
+    target = figure_path(args.out, named.name) if args.out else named
     out = plot_enact_maps(image, maps, target, title=title)
     L = maps.count
     row = {

@@ -8,11 +8,13 @@ queries spread over the image, without it each query settles on one patch.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from leanformer.commands._options import add_data_arguments
+from leanformer.commands._options import add_data_arguments, argument_type, figure_path
 from leanformer.commands._perceiver import load_perceiver
+from leanformer.config import positive_int
 from leanformer.models.query_budget import check_query_count, query_budget
+
+_FIGURE = "perceiver_attention.png"
 
 COMMAND = ("visualize", "perceiver-attention")
 HELP = "average cross-attention map per Perceiver query over a dataset, saved as a PNG grid"
@@ -24,9 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", default="test", choices=("train", "test"))
     parser.add_argument("--num-queries", type=int, help="draw only the first K queries")
     parser.add_argument("--limit", type=int, help="average over the first N images only")
-    parser.add_argument("--cols", type=int, help="maps per row (default: about square)")
+    parser.add_argument(
+        "--cols", type=argument_type(positive_int), help="maps per row (default: about square)"
+    )
     parser.add_argument("--shared-scale", action="store_true", help="one colour scale for all maps")
-    parser.add_argument("--out", default="runs/perceiver_attention.png", help="PNG path")
+    parser.add_argument(
+        "--out",
+        default=f"runs/{_FIGURE}",
+        help=f"PNG path, or a folder to write {_FIGURE} in",
+    )
     add_data_arguments(parser)
 
 
@@ -47,7 +55,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     name = getattr(model, "leanformer_name", type(model).__name__)
     path = save_attention_grid(
         maps,
-        Path(args.out),
+        figure_path(args.out, _FIGURE),
         cols=args.cols,
         shared_scale=args.shared_scale,
         title=f"{name}: average cross-attention per query ({len(dataset)} images)",

@@ -59,6 +59,17 @@ def check_data_fits(model_cls: type[nn.Module], info: DatasetInfo, *, name: str 
         )
 
 
+def check_channels_fit(model: nn.Module, info: DatasetInfo, *, name: str | None = None) -> None:
+    """A clear error when a built model (a checkpoint's, say) takes other image channels than
+    the data gives, instead of the first convolution's shape error."""
+    takes = getattr(model, "in_chans", None)
+    if isinstance(takes, int) and info.in_chans is not None and takes != info.in_chans:
+        raise ValueError(
+            f"{name or type(model).__name__} takes images of {takes} channel(s), but the data gives "
+            f"{info.in_chans} (a checkpoint keeps the channels it was trained on)"
+        )
+
+
 def model_options_for_data(name: str, options: dict[str, Any], info: DatasetInfo | None) -> dict[str, Any]:
     """Fill ``num_classes``/``in_chans``/``img_size`` from the data where the model takes them."""
     resolved = dict(options)

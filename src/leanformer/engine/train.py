@@ -29,6 +29,7 @@ from torch.utils.data import default_collate
 from leanformer.config import (
     RunConfig,
     TrainConfig,
+    check_seed,
     flag_names,
     parse_model_options,
     plain_options,
@@ -78,6 +79,7 @@ _LARGEST_RATE = torch.finfo(torch.float32).max
 
 def _validate(cfg: RunConfig) -> None:
     o, t, d = cfg.optim, cfg.train, cfg.data
+    check_seed(cfg.seed)
     if o.epochs < 1:
         raise ValueError(f"optim.epochs must be >= 1, got {o.epochs}")
     if o.lr <= 0:
@@ -160,6 +162,8 @@ def _build_teacher(cfg: RunConfig, info: Any, device: torch.device) -> nn.Module
     source = cfg.train.teacher
     if Path(source).exists():  # a checkpoint file or a run folder
         teacher = load_model(source, device=device)
+    elif "/" in source or source.endswith(".safetensors"):
+        raise ValueError(f"teacher {source}: no such checkpoint file or run folder")
     else:
         teacher, _ = build_model(source, {}, info)
     return teacher.to(device).eval().requires_grad_(False)

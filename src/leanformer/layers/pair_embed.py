@@ -175,7 +175,9 @@ class PointTokens(nn.Module):
             raise ValueError(
                 f"expected point measurements [B, {self.num_tokens}]"
                 + (f" or [B, {self.num_tokens}, 1]" if self.point_features == 1 else "")
-                + f" with {self.point_features} feature(s) per point, got shape {tuple(x.shape)}"
+                + f" with {self.point_features} feature(s) per point, got shape {tuple(x.shape)}; "
+                f"this model's points_grid is {self.grid[0]}x{self.grid[1]}: build it for the data's "
+                "grid (--opt points_grid=N for N x N points, or [rows, cols])"
             )
         return self.encoder(self.embed(x) + self.pos_embed)
 

@@ -59,7 +59,10 @@ def load_pretrained(model: nn.Module, name: str) -> nn.Module:
         )
     state = load_file(str(path))
     missing, unexpected = load_state_lenient(
-        model, state, mismatch=f"the shipped weights of {name} do not fit the options given"
+        model,
+        state,
+        mismatch=f"the shipped weights of {name} do not fit the options or data given (they were "
+        f"trained on {card['data']['name']})",
     )
     if unexpected:
         raise ValueError(f"the shipped weights of {name} hold tensors the model lacks: {unexpected[:5]}")
