@@ -12,6 +12,7 @@ from PIL import Image
 
 from leanformer.data import build_dataset, list_datasets
 from leanformer.data.sampler import GlobalBatchSampler
+from leanformer.data.tensor_dataset import TensorImageDataset  # resolves a builder's annotation below
 
 
 def test_digits_split_is_stratified_deterministic_and_normalised() -> None:
@@ -128,3 +129,24 @@ def test_global_batches_split_across_ranks_exactly() -> None:
     assert len(single) == 2  # last partial batch dropped
     with pytest.raises(ValueError, match="divisible"):
         GlobalBatchSampler(10, batch_size=5, shuffle=False, world_size=2)
+
+
+def test_options_of_a_builder_with_other_annotations_reach_it_unchanged() -> None:
+    """Only plain scalars are checked; a tuple, say, is the builder's to check."""
+    from leanformer.data.registry import _BUILDERS, DatasetInfo, register_dataset
+
+    seen = {}
+
+    @register_dataset("_test_tuple_option")
+    def build(*, split: str, shape: tuple[int, int] = (2, 2), scale: float = 1.0) -> TensorImageDataset:
+        seen.update(shape=shape, scale=scale)
+        info = DatasetInfo(num_classes=2, in_chans=1, img_size=shape[0])
+        return TensorImageDataset(torch.zeros(2, 1, *shape), torch.zeros(2, dtype=torch.long), info)
+
+    try:
+        build_dataset("_test_tuple_option", split="test", shape=[4, 4], scale=2)
+        assert seen == {"shape": [4, 4], "scale": 2.0}
+        with pytest.raises(ValueError, match="option scale expects a number, got 'big'"):
+            build_dataset("_test_tuple_option", split="test", scale="big")
+    finally:
+        del _BUILDERS["_test_tuple_option"]

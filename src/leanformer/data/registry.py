@@ -11,6 +11,7 @@ import difflib
 import importlib
 import inspect
 import pkgutil
+import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,12 +105,23 @@ def _typed_options(name: str, builder: Builder, options: dict[str, Any]) -> dict
     """``options`` checked against the builder's annotations: ``validation: true`` or
     ``augment: maybe`` would otherwise be read as 1 and as on, and ``abc`` would fail deep
     inside the builder."""
-    hints = typing.get_type_hints(builder)
+    try:
+        hints = typing.get_type_hints(builder)
+    except (NameError, TypeError):  # a user's builder whose annotations do not resolve
+        return dict(options)
     typed = dict(options)
     for key, value in options.items():
-        if key in hints:
+        if key in hints and _checkable(hints[key]):
             try:
                 typed[key] = coerce_value(value, hints[key], key)
             except ValueError as err:
                 raise ValueError(f"dataset {name!r}: option {err}") from None
     return typed
+
+
+def _checkable(annotation: Any) -> bool:
+    """Plain scalars (or their union with None); a builder's other annotations (a tuple, a
+    path, a literal) are left for the builder to check."""
+    union = typing.get_origin(annotation) in (types.UnionType, typing.Union)
+    kinds = typing.get_args(annotation) if union else (annotation,)
+    return all(kind in (bool, int, float, str, type(None)) for kind in kinds)
