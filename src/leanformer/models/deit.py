@@ -16,7 +16,7 @@ Importing this module also registers every preset in timm's registry
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, cast
 
 import timm
 from timm.models import register_model
@@ -140,7 +140,7 @@ class DistilledDeiT(DeiT, VisionTransformerDistilled):
 def _check_image_sides(patch_embed: nn.Module, inputs: tuple[Any, ...]) -> None:
     """A ValueError naming both sizes when an image's sides are not multiples of the patch."""
     height, width = inputs[0].shape[-2:]
-    patch_h, patch_w = patch_embed.patch_size
+    patch_h, patch_w = cast(tuple[int, int], patch_embed.patch_size)  # timm keeps a pair
     if height % patch_h or width % patch_w:
         raise ValueError(
             f"image size {height}x{width} is not a multiple of the patch size {patch_h}x{patch_w}; "
