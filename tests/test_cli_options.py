@@ -552,7 +552,7 @@ def test_checkpoint_at_an_image_size_the_patch_does_not_divide(
 
 def test_a_teacher_path_that_does_not_exist_is_named_as_a_path(tmp_path: Path, capsys: Capture) -> None:
     out = tmp_path / "run"
-    for teacher in ("missing.safetensors", str(tmp_path / "gone")):
+    for teacher in ("missing.safetensors", "nothere.pt", str(tmp_path / "gone")):
         err = _error([*TRAIN, "--teacher", teacher, "--out", str(out)], capsys)
         assert f"teacher {teacher}: no such checkpoint file or run folder" in err
     assert "unknown model 'deit_tset'; did you mean deit_test" in _error(
@@ -618,6 +618,15 @@ def test_models_suggests_close_names(capsys: Capture) -> None:
     assert "no models match; did you mean deit_test" in capsys.readouterr().out
     assert main(["models", "deit_tset*"]) == 0
     assert capsys.readouterr().out.strip() == "no models match"
+    assert main(["models", "--family", "sret", "sret_tst"]) == 0
+    out = capsys.readouterr().out
+    assert "did you mean sret_test" in out and "deit" not in out  # only names the filter keeps
+    for flags in (["--family", "sret"], ["--pretrained"]):
+        assert main(["models", *flags, "deit_test"]) == 0
+        assert (
+            "deit_test is a model, but not one the --family/--pretrained filters keep"
+            in capsys.readouterr().out
+        )
 
 
 def test_an_unknown_detr_backbone_is_refused_with_close_names(capsys: Capture) -> None:
@@ -630,12 +639,22 @@ def test_a_checkpoint_on_data_of_other_channels(checkpoint: Path, capsys: Captur
     assert "deit_test takes images of 1 channel(s), but the data gives 3" in err
 
 
-@pytest.mark.parametrize("seed", ["99999999999999999999", "-1", "4294967296"])
+@pytest.mark.parametrize("seed", ["99999999999999999999", str(2**46 + 1), str(-(2**46) - 1)])
 def test_seeds_out_of_range_name_the_flag(seed: str, tmp_path: Path, capsys: Capture) -> None:
+    """Larger seeds overflowed inside torch (the sampler seeds epochs with seed * 100_003)."""
     err = _usage_error([*TRAIN, "--seed", seed, "--out", str(tmp_path / "run")], capsys)
-    assert f"argument --seed: the seed must be an integer in [0, 4294967295], got {seed}" in err
+    assert f"argument --seed: the seed must be an integer from -2^46 to 2^46, got {seed}" in err
     config = tmp_path / "seed.yaml"
     config.write_text(f"seed: {seed}\n")
     err = _error([*TRAIN, "--config", str(config), "--out", str(tmp_path / "run")], capsys)
-    assert f"seed must be an integer in [0, 4294967295], got {seed}" in err
+    assert f"seed must be an integer from -2^46 to 2^46, got {seed}" in err
     assert not (tmp_path / "run").exists()
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(f"model: deit_test\nseed: {seed}\nbudgets: [0.5]\n")
+    err = _error(["tradeoff", "--config", str(sweep), "--out", str(tmp_path / "sweep")], capsys)
+    assert f"seed must be an integer from -2^46 to 2^46, got {seed}" in err
+
+
+@pytest.mark.parametrize("seed", [str(-1), str(2**46)])
+def test_seeds_at_the_ends_of_the_range_train(seed: str, tmp_path: Path) -> None:
+    assert main([*TRAIN, "--seed", seed, "--out", str(tmp_path / "run"), "--quiet"]) == 0

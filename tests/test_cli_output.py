@@ -65,7 +65,9 @@ def test_train_help_names_the_built_in_config_values() -> None:
         ("--epochs", built_in.optim.epochs),
         ("--distill-tau", built_in.train.distill_tau),
     ):
-        assert f"(default: {value}, unless --config sets it)" in helps[flag], flag
+        assert f"(default: {value}, unless --config or the run --resume continues sets it)" in helps[flag], (
+            flag
+        )
     assert "default" not in helps["--pool"]  # the model's own, which differs by model
 
 

@@ -160,6 +160,12 @@ def test_a_run_that_fails_in_its_first_epoch_leaves_nothing(tmp_path: Path, monk
     with pytest.raises(RuntimeError, match="the optimizer failed"):
         fit(load_config(None, FAST), out_dir=out, progress=False, resume=True)
     assert (out / "last.safetensors").is_file() and len(committed.history) == 1
+    # A checkpoint whose history is lost (an older one without metrics.jsonl) is still a
+    # committed epoch: a failure after resuming it keeps it.
+    monkeypatch.setattr(train, "recover", lambda folder: [])
+    with pytest.raises(RuntimeError, match="the optimizer failed"):
+        fit(load_config(None, FAST), out_dir=out, progress=False, resume=True)
+    assert (out / "last.safetensors").is_file() and (out / "config.yaml").is_file()
 
 
 def test_files_get_the_same_permissions(tmp_path: Path, reference: Path) -> None:

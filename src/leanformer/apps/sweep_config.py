@@ -17,7 +17,7 @@ from leanformer.apps.gflops_budget import (
     is_gflops_budget,
     parse_gflops_text,
 )
-from leanformer.config import DataConfig, comma_list, flag, from_dict, read_yaml_mapping
+from leanformer.config import DataConfig, check_seed, comma_list, flag, from_dict, read_yaml_mapping
 from leanformer.layers.budgets import parse_keep
 from leanformer.layers.token_pooling import METHODS, list_methods, pooling_method
 from leanformer.models.pretrained import model_card
@@ -164,6 +164,7 @@ def validate(cfg: SweepConfig) -> None:
         raise ValueError(
             "finetune_epochs must be >= 0, seeds, throughput_runs and throughput_batch_size >= 1"
         )
+    check_seed(cfg.seed)
     if cfg.pretrained:
         model_card(cfg.model)  # type: ignore[arg-type]
 

@@ -58,7 +58,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, inherit: bool = Fal
         "--seed",
         type=_seed,
         default=default(0),
-        help="random seed, 0 to 2^32 - 1 (default: 0)",
+        help="random seed, an integer from -2^46 to 2^46 (default: 0)",
     )
     parser.add_argument(
         "--threads", type=int, default=default(None), help="torch intra-op threads (default: torch's)"

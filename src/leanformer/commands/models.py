@@ -49,14 +49,22 @@ def run(args: argparse.Namespace) -> list[dict]:
             mark = " [pretrained]" if r["pretrained"] else ""
             print(f"{r['model']:<{width}}  {r['family']:<10} {r['description']}{mark}")
         if not rows:
-            print(f"no models match{_near_names(args.pattern)}")
+            print(f"no models match{_near_names(args.pattern, _candidates(args, shipped))}")
     return rows
 
 
-def _near_names(pattern: str | None) -> str:
-    """``"; did you mean deit_test?"`` for a plain name (no glob characters) that is close
-    to registered ones; empty otherwise."""
+def _candidates(args: argparse.Namespace, shipped: set[str]) -> list[str]:
+    """The names the filters (``--family``, ``--pretrained``) leave, before the pattern."""
+    names = list_models(family=args.family)
+    return [n for n in names if n in shipped] if args.pretrained else names
+
+
+def _near_names(pattern: str | None, candidates: list[str]) -> str:
+    """Why a plain name (no glob characters) matched nothing: it is outside the filters, or
+    ``"; did you mean ...?"`` with the close names among ``candidates``."""
     if pattern is None or any(c in pattern for c in "*?["):
         return ""
-    close = difflib.get_close_matches(pattern, list_models(), n=3, cutoff=0.6)
+    if pattern in list_models():
+        return f" ({pattern} is a model, but not one the --family/--pretrained filters keep)"
+    close = difflib.get_close_matches(pattern, candidates, n=3, cutoff=0.6)
     return f"; did you mean {', '.join(close)}?" if close else ""

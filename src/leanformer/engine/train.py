@@ -162,7 +162,7 @@ def _build_teacher(cfg: RunConfig, info: Any, device: torch.device) -> nn.Module
     source = cfg.train.teacher
     if Path(source).exists():  # a checkpoint file or a run folder
         teacher = load_model(source, device=device)
-    elif "/" in source or source.endswith(".safetensors"):
+    elif "/" in source or Path(source).suffix:  # registered names have neither
         raise ValueError(f"teacher {source}: no such checkpoint file or run folder")
     else:
         teacher, _ = build_model(source, {}, info)
@@ -371,10 +371,15 @@ def _fit(
         elif out is not None and dist_info.is_main:
             out.mkdir(parents=True, exist_ok=True)
             clear_run(out)  # what a resume found nothing to continue from, or --overwrite
-        if out is not None and dist_info.is_main:
-            _write_config(out, cfg, model_options)
+
+        def uncommitted() -> bool:
+            # No epoch saved by this call, nor by the run it resumes (whose history may be
+            # empty: a checkpoint of an older version without metrics.jsonl).
+            return start_epoch == 0 and not history
 
         try:
+            if out is not None and dist_info.is_main:
+                _write_config(out, cfg, model_options)
             train_model: nn.Module = model
             if dist_info.enabled:
                 train_model = DistributedDataParallel(
@@ -400,7 +405,7 @@ def _fit(
                     loss = loss_fn(logits, target, inputs)
                     # One host sync per step: a diverged run must stop before it overwrites anything.
                     if not torch.isfinite(loss).item():
-                        discard = out is not None and dist_info.is_main and not history
+                        discard = out is not None and dist_info.is_main and uncommitted()
                         raise NonFiniteLossError(_stop_message(loss, epoch, step, out, discarded=discard))
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
@@ -454,7 +459,7 @@ def _fit(
         except Exception:
             # Nothing committed yet (a diverged loss, a failure in the first epoch): leave
             # no half-run behind, so the same command, mended, needs no --overwrite.
-            if out is not None and dist_info.is_main and not history:
+            if out is not None and dist_info.is_main and uncommitted():
                 discard_uncommitted_run(out)
             raise
         return FitResult(

@@ -144,7 +144,7 @@ def _check_image_sides(patch_embed: nn.Module, inputs: tuple[Any, ...]) -> None:
     if height % patch_h or width % patch_w:
         raise ValueError(
             f"image size {height}x{width} is not a multiple of the patch size {patch_h}x{patch_w}; "
-            "give an image size that is (--img-size)"
+            "give an image size that is a multiple of it (--img-size)"
         )
 
 
