@@ -79,6 +79,12 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path: Path) -> None:
     (tmp_path / "results.jsonl").write_text("not json\n" + "".join(lines[1:]))
     with pytest.raises(ValueError, match="line 1: not a result row; the file is damaged"):
         run_sweep(cfg, out_dir=tmp_path, progress=False, base=untrained_deit_test(), resume=True)
+    # Rows of another sweep, or no row at all, would stand in for points never measured here.
+    row = json.loads(lines[1])
+    for foreign in ({**row, "keep": "r0.4"}, {**row, "sweep": "other"}, {**row, "method": "kmeans"}, [1]):
+        (tmp_path / "results.jsonl").write_text(lines[0] + json.dumps(foreign) + "\n")
+        with pytest.raises(ValueError, match="line 2: not a point of sweep"):
+            run_sweep(cfg, out_dir=tmp_path, progress=False, base=untrained_deit_test(), resume=True)
 
 
 def test_resume_and_overwrite_together_are_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -248,14 +248,25 @@ def measured_rows(out: Path, cfg: SweepConfig) -> list[dict[str, Any]]:
         )
     path = out / "results.jsonl"
     lines = path.read_text().splitlines(keepends=True) if path.is_file() else []
+    points = {point_key(*p) for p in sweep_points(cfg)}
     rows = []
     for number, line in enumerate(lines, 1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             if number < len(lines) or line.endswith("\n"):
                 raise ValueError(f"{path}, line {number}: not a result row; the file is damaged") from None
             path.write_text("".join(lines[:-1]))  # the write the interruption cut short
+            continue
+        # A row of another sweep (a file copied or joined in by hand) would stand in the
+        # table for a point this sweep never measured.
+        key = (row.get("method"), row.get("keep"), row.get("seed")) if isinstance(row, dict) else None
+        if key not in points or row.get("sweep") != cfg.name:
+            raise ValueError(
+                f"{path}, line {number}: not a point of sweep {cfg.name!r}; resume it with its own "
+                "results.jsonl, or replace it with --overwrite"
+            )
+        rows.append(row)
     return rows
 
 
