@@ -139,6 +139,40 @@ def test_keep_everything_is_identity_and_remove_restores(host: str, images: Tens
 
 
 @pytest.mark.parametrize("host", list(HOSTS))
+def test_a_copied_or_pickled_patched_model_runs_its_own_weights(host: str, images: Tensor) -> None:
+    """The patched attention must follow the copy's weights, not the original's: a copy with
+    other weights equals a fresh patched model loaded with them (and gradients reach the copy)."""
+    import copy
+    import io
+
+    build, _ = HOSTS[host]
+    original = build()
+    leanformer.apply_token_pooling(original, keep=0.5, method="merge")
+    copied = copy.deepcopy(original)
+    with torch.no_grad():
+        for p in copied.parameters():
+            p.mul_(0.5)
+    fresh = build()
+    leanformer.apply_token_pooling(fresh, keep=0.5, method="merge")
+    fresh.load_state_dict(copied.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(run(copied, images)[0], run(fresh, images)[0])
+        assert (run(copied, images)[0] - run(original, images)[0]).abs().max() > 1e-4
+    run(copied, images)[0].sum().backward()
+    qkv = [p for n, p in copied.named_parameters() if "attn" in n or "attention" in n]
+    assert qkv and all(p.grad is not None for p in qkv)
+    assert all(p.grad is None for p in original.parameters())
+    if _is_hf(original):
+        return  # transformers' own output hooks are local functions: its models do not pickle
+    buffer = io.BytesIO()
+    torch.save(original, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        torch.testing.assert_close(run(loaded, images)[0], run(original, images)[0])
+
+
+@pytest.mark.parametrize("host", list(HOSTS))
 def test_every_method_keeps_the_documented_counts(host: str, images: Tensor) -> None:
     build, prefix = HOSTS[host]
     base = build()

@@ -47,13 +47,19 @@ def _unsupported(msg: str) -> UnsupportedHostError:
     return UnsupportedHostError(f"token pooling cannot patch this model ({LIBRARY}): {msg}")
 
 
-def _attention(attn: Any) -> Any:
+class _Attention:
     """timm ``Attention`` from its own submodules, with sizes and received scores.
 
     ``x [B, N, C]``, ``sizes [B, N] | None`` -> ``(out [B, N, C], received [B, N] | None)``.
+    An object holding ``attn``, not a closure over it: ``copy.deepcopy`` of a patched model
+    then runs the copy's weights, and the model pickles.
     """
 
-    def run(x: Tensor, sizes: Tensor | None, need_received: bool) -> tuple[Tensor, Tensor | None]:
+    def __init__(self, attn: Any) -> None:
+        self.attn = attn
+
+    def __call__(self, x: Tensor, sizes: Tensor | None, need_received: bool) -> tuple[Tensor, Tensor | None]:
+        attn = self.attn
         B, N, _ = x.shape
         heads, head_dim = attn.num_heads, attn.head_dim
         gate = attn.gate(x).sigmoid() if getattr(attn, "gate", None) is not None else None
@@ -74,13 +80,11 @@ def _attention(attn: Any) -> Any:
             out = out * gate
         return attn.proj_drop(attn.proj(out)), received
 
-    return run
-
 
 def block_parts(blk: Any) -> BlockParts:
     return BlockParts(
         norm1=blk.norm1,
-        attention=_attention(blk.attn),
+        attention=_Attention(blk.attn),
         attn_post=(blk.ls1, blk.drop_path1),
         norm2=blk.norm2,
         mlp=blk.mlp,

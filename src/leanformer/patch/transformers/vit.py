@@ -93,15 +93,23 @@ def supported_models() -> list[str]:
     return list(_FAMILIES)
 
 
-def _attention(attn: Any) -> Any:
-    """A ``transformers`` self-attention (separate q/k/v projections) from its own parts."""
-    head_dim = int(attn.head_dim)
-    heads = attn.q_proj.out_features // head_dim
-    scale = float(attn.scaling if hasattr(attn, "scaling") else attn.scale)
-    out_proj = attn.o_proj if hasattr(attn, "o_proj") else attn.out_proj
-    dropout = float(attn.attention_dropout if hasattr(attn, "attention_dropout") else attn.dropout)
+class _Attention:
+    """A ``transformers`` self-attention (separate q/k/v projections) from its own parts.
 
-    def run(x: Tensor, sizes: Tensor | None, need_received: bool) -> tuple[Tensor, Tensor | None]:
+    An object holding ``attn``, not a closure over it: ``copy.deepcopy`` of a patched model
+    then runs the copy's weights, and the model pickles.
+    """
+
+    def __init__(self, attn: Any) -> None:
+        self.attn = attn
+        self.head_dim = int(attn.head_dim)
+        self.heads = attn.q_proj.out_features // self.head_dim
+        self.scale = float(attn.scaling if hasattr(attn, "scaling") else attn.scale)
+        self.dropout = float(attn.attention_dropout if hasattr(attn, "attention_dropout") else attn.dropout)
+
+    def __call__(self, x: Tensor, sizes: Tensor | None, need_received: bool) -> tuple[Tensor, Tensor | None]:
+        attn, heads, head_dim = self.attn, self.heads, self.head_dim
+        out_proj = attn.o_proj if hasattr(attn, "o_proj") else attn.out_proj
         B, N, _ = x.shape
         q, k, v = (
             proj(x).view(B, N, heads, head_dim).transpose(1, 2)
@@ -112,20 +120,18 @@ def _attention(attn: Any) -> Any:
             k,
             v,
             sizes=sizes,
-            dropout_p=dropout if attn.training else 0.0,
+            dropout_p=self.dropout if attn.training else 0.0,
             return_received=need_received,
-            scale=scale,
+            scale=self.scale,
         )
         return out_proj(out.transpose(1, 2).reshape(B, N, heads * head_dim)), received
-
-    return run
 
 
 def _parts(layout: _Layout) -> Callable[[nn.Module], BlockParts]:
     def parts(layer: Any) -> BlockParts:
         return BlockParts(
             norm1=getattr(layer, layout.norm1),
-            attention=_attention(getattr(layer, layout.attention)),
+            attention=_Attention(getattr(layer, layout.attention)),
             attn_post=tuple(getattr(layer, n) for n in layout.attn_post),
             norm2=getattr(layer, layout.norm2),
             mlp=layer.mlp,
