@@ -47,6 +47,45 @@ def test_duplicate_registration_rejected() -> None:
         register("deit_test", DeiT, family="deit")
 
 
+def test_a_users_built_in_name_is_refused_before_the_registry_loads() -> None:
+    """In a fresh process the user's entry came first, and the next create_model failed to
+    load the built-in models (every one of them) with "registered twice"."""
+    import subprocess
+    import sys
+
+    script = """
+from torch import nn
+from leanformer import create_model, list_models, register_model
+try:
+    register_model("deit_test")(nn.Identity)
+except ValueError as err:
+    print(err)
+create_model("deit_small")
+print(len(list_models()))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["model 'deit_test' is registered twice", str(len(leanformer.list_models()))]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: leanformer.register_model(5)(torch.nn.Identity), "a model name must be a non-empty string"),
+        (
+            lambda: leanformer.register_model(" ")(torch.nn.Identity),
+            "a model name must be a non-empty string",
+        ),
+        (lambda: leanformer.register_model("_test_dict")(dict), "register an nn.Module subclass"),
+        (lambda: leanformer.register_model(torch.nn.Identity), "register_model needs a name"),
+    ],
+)
+def test_register_model_checks_its_arguments(call, message: str) -> None:
+    count = len(leanformer.list_models())
+    with pytest.raises(TypeError, match=message):
+        call()
+    assert len(leanformer.list_models()) == count
+
+
 def _contract(name: str, batch: int, max_img_size: int | None = None) -> None:
     torch.manual_seed(0)
     options = {}

@@ -45,6 +45,10 @@ def register(
     **defaults: Any,
 ) -> ModelEntry:
     """Record ``name`` as ``cls(**defaults)``; duplicate names are an error."""
+    _check_entry(name, cls, family)
+    # The built-in models first: a user's name that takes one of theirs is refused here,
+    # not by the next create_model, whose loading would then fail for every model.
+    _load_builtin_models()
     if name in _REGISTRY:
         raise ValueError(f"model {name!r} is registered twice")
     _check_options(name, cls, defaults)
@@ -57,12 +61,23 @@ def register_model(
     name: str, *, family: str = "custom", description: str = "", tiny: bool = False, **defaults: Any
 ):
     """Decorator form of :func:`register` for a user's own ``nn.Module`` class."""
+    if isinstance(name, type):  # @register_model without a name
+        raise TypeError(f'register_model needs a name: @register_model("my_model") above {name.__name__}')
 
     def wrap(cls: type[nn.Module]) -> type[nn.Module]:
         register(name, cls, family=family, description=description, tiny=tiny, **defaults)
         return cls
 
     return wrap
+
+
+def _check_entry(name: Any, cls: Any, family: Any) -> None:
+    if not isinstance(name, str) or not name.strip():
+        raise TypeError(f"a model name must be a non-empty string, got {name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"model {name!r}: register an nn.Module subclass, got {cls!r}")
+    if not isinstance(family, str) or not family:
+        raise TypeError(f"model {name!r}: family must be a non-empty string, got {family!r}")
 
 
 def _load_builtin_models() -> None:
