@@ -263,3 +263,12 @@ def test_patched_forward_peak_memory_is_not_above_the_unpatched(method: str) -> 
         model(x)
         patched = cpu_peak_mb(lambda: model(x))
     assert patched <= host
+
+
+def test_a_host_cast_before_patching_gets_the_pooling_in_its_dtype() -> None:
+    """conv's learned downsampler is built in float32; on a float64 host it must follow."""
+    model = _vit().double()
+    apply_token_pooling(model, keep=0.5, method="conv")
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    with torch.no_grad():
+        assert model(torch.randn(2, 3, 32, 32, dtype=torch.float64)).dtype == torch.float64
