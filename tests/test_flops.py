@@ -59,3 +59,30 @@ def test_gflops_per_sample_independent_of_batch() -> None:
     one = count_gflops(model, (torch.randn(1, 3, 16, 16),))
     four = count_gflops(model, (torch.randn(4, 3, 16, 16),))
     assert one == pytest.approx(four)
+
+
+def test_bad_inputs_are_refused_before_the_model_runs() -> None:
+    """A bare tensor, no batch or an empty one: a message, not a failure inside the model or
+    a division by zero; a batch given by keyword (Hugging Face's pixel_values=) counts."""
+    from leanformer.bench.throughput import measure_throughput
+
+    calls = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            return pixel_values.flatten(1) @ torch.ones(12, 4)
+
+    x = torch.randn(2, 3, 2, 2)
+    for measure in (count_gflops, lambda m, i: measure_throughput(m, i, runs=1, warmup=0)):
+        for inputs, error, message in (
+            (x, TypeError, r"inputs must be a tuple of the model's positional inputs, e.g. \(images,\)"),
+            ((), ValueError, "no batched tensor among the inputs"),
+            ((x[:0],), ValueError, "the batch is empty"),
+        ):
+            with pytest.raises(error, match=message):
+                measure(Recorder(), inputs)
+    assert calls == []
+    # 12 x 4 multiply-adds per sample.
+    assert count_gflops(Recorder(), (), forward_kwargs={"pixel_values": x}) == pytest.approx(48 / 1e9)
+    assert measure_throughput(Recorder(), (), forward_kwargs={"pixel_values": x}, runs=1)["img_per_s"] > 0

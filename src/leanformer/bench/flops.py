@@ -52,11 +52,23 @@ def flop_counter() -> FlopCounterMode:
     return FlopCounterMode(display=False, custom_mapping=_custom_mapping())
 
 
-def batch_size_of(inputs: tuple[Any, ...]) -> int:
-    first = inputs[0]
-    if not isinstance(first, torch.Tensor) or first.ndim == 0:
-        raise ValueError("the first input must be a batched tensor to count FLOPs per sample")
-    return int(first.shape[0])
+def batch_input(inputs: Any, forward_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+    """The tensor that carries the batch: the first of ``inputs`` (a tuple or list), else
+    the first tensor among ``forward_kwargs`` (``pixel_values=`` of a Hugging Face model).
+    Checked before any work, so a bad call fails with a message, not inside the model."""
+    if isinstance(inputs, torch.Tensor):
+        raise TypeError("inputs must be a tuple of the model's positional inputs, e.g. (images,)")
+    if not isinstance(inputs, tuple | list):
+        raise TypeError(
+            f"inputs must be a tuple of the model's positional inputs, got {type(inputs).__name__}"
+        )
+    candidates = [*inputs[:1], *(forward_kwargs or {}).values()]
+    first = next((c for c in candidates if isinstance(c, torch.Tensor) and c.ndim > 0), None)
+    if first is None:
+        raise ValueError("no batched tensor among the inputs: the first input (or a keyword) must be one")
+    if first.shape[0] == 0:
+        raise ValueError("the batch is empty: per-sample figures need at least one sample")
+    return first
 
 
 @torch.no_grad()
@@ -64,6 +76,7 @@ def count_gflops(
     model: nn.Module, inputs: tuple[Any, ...], *, forward_kwargs: dict[str, Any] | None = None
 ) -> float:
     """Inference GMACs per sample (the papers' "GFLOPs"): total multiply-adds / batch / 1e9."""
+    batch = int(batch_input(inputs, forward_kwargs).shape[0])
     was_training = model.training
     model.eval()
     try:
@@ -71,4 +84,4 @@ def count_gflops(
             model(*inputs, **(forward_kwargs or {}))
     finally:
         model.train(was_training)
-    return counter.get_total_flops() / 2 / batch_size_of(inputs) / 1e9
+    return counter.get_total_flops() / 2 / batch / 1e9

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from leanformer.bench.flops import batch_size_of
+from leanformer.bench.flops import batch_input
 from leanformer.progress import progress_bar
 
 
@@ -34,10 +34,10 @@ def measure_throughput(
     if warmup < 0 or runs < 1:
         raise ValueError(f"need warmup >= 0 and runs >= 1, got warmup={warmup}, runs={runs}")
     kwargs = forward_kwargs or {}
+    first = batch_input(inputs, kwargs)
     was_training = model.training
     model.eval()
-    first = inputs[0]
-    device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+    device = first.device
     try:
         for _ in range(warmup):
             model(*inputs, **kwargs)
@@ -52,7 +52,7 @@ def measure_throughput(
         model.train(was_training)
     median = statistics.median(times)
     return {
-        "img_per_s": batch_size_of(inputs) / median,
+        "img_per_s": first.shape[0] / median,
         "ms_per_batch": median * 1e3,
         "ms_per_batch_min": min(times) * 1e3,
         "threads": torch.get_num_threads(),
