@@ -200,6 +200,15 @@ def test_second_patch_raises_naming_the_library(host: str) -> None:
         leanformer.apply_token_pooling(model, keep=0.5, method="merge")
 
 
+@pytest.mark.parametrize("carry", ["no", 1, None])
+def test_carry_must_be_a_yes_or_no(carry: object) -> None:
+    """A word would be truthy: sizes tracked although the caller said no."""
+    model = HOSTS["timm_cls"][0]()
+    with pytest.raises(ValueError, match="carry must be True or False"):
+        leanformer.apply_token_pooling(model, keep=0.5, method="merge", carry=carry)  # type: ignore[arg-type]
+    assert not leanformer.is_patched(model)
+
+
 def test_unsupported_hosts_raise_naming_library_and_version() -> None:
     hf_version, timm_version = transformers.__version__, timm.__version__
     beit = transformers.BeitModel(transformers.BeitConfig(**SMALL_HF))

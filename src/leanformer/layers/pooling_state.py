@@ -51,6 +51,8 @@ class TokenPooling(nn.Module):
         options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(carry, bool):  # "no" would be truthy: sizes tracked after all
+            raise ValueError(f"carry must be True or False, got {carry!r}")
         if reduce_at not in REDUCE_POSITIONS:
             raise ValueError(f"reduce_at must be one of {', '.join(REDUCE_POSITIONS)}, got {reduce_at!r}")
         self.depth = len(reducers)
