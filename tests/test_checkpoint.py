@@ -193,3 +193,27 @@ def test_checkpoint_may_be_a_run_folder(tmp_path: Path) -> None:
         ValueError, match=r"is a folder without a checkpoint \(looked for .*last\.safetensors\)"
     ):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ("not json", "its leanformer metadata is damaged"),
+        ("[1, 2]", "its leanformer metadata is damaged"),
+        ('{"model_name": 5}', "does not name its model"),
+        ('{"model_name": "deit_test", "model_options": [1]}', "its model_options are damaged"),
+    ],
+)
+def test_damaged_metadata_is_refused_by_name(tmp_path: Path, header: str, message: str) -> None:
+    """Metadata that is not a JSON object (written by hand, or cut) gave a JSONDecodeError,
+    TypeError or AttributeError from deep inside; without a digest nothing else checks it."""
+    import warnings
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "last.safetensors"
+    save_file({"model.w": torch.zeros(2)}, str(path), metadata={ckpt_module.META_KEY: header})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no digest: the unverified-checkpoint warning
+        with pytest.raises(ValueError, match=message):
+            load_model(path)

@@ -249,7 +249,13 @@ def _read(path: str | Path, *, prefix: str | None) -> tuple[dict[str, Any], dict
         raise ValueError(f"{path} is not a readable safetensors checkpoint: {exc}") from None
     if header is None:
         raise ValueError(f"{path} has no leanformer metadata (not written by leanformer?)")
-    return json.loads(header), data
+    try:
+        meta = json.loads(header)
+    except json.JSONDecodeError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: its leanformer metadata is damaged (not a JSON object)")
+    return meta, data
 
 
 def _model_state(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -296,9 +302,12 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", **overri
     # The model's tensors only: an optimizer's state can be twice their size.
     meta, tensors = _read(path, prefix=_MODEL_PREFIX)
     name = meta.get("model_name")
-    options = dict(meta.get("model_options", {}))
-    if name is None:
+    options = meta.get("model_options", {})
+    if not isinstance(name, str):
         raise ValueError(f"checkpoint {path} does not name its model")
+    if not isinstance(options, dict):
+        raise ValueError(f"checkpoint {path}: its model_options are damaged (not a mapping)")
+    options = dict(options)
     model = create_model(name, **{**options, **overrides})
     changed = ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none"
     missing, unexpected = load_state_lenient(
