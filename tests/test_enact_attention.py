@@ -160,6 +160,14 @@ def test_bad_inputs_raise():
         m(x, pos, shape, mask.long())
     with pytest.raises(ValueError, match="spatial_shape"):
         m(x, pos, None, mask)
+    # Negative or float sides with the right product, three sides, one number: refused up
+    # front, not inside a view.
+    H, W = shape
+    for bad in ((-H, -W), (float(H), float(W)), (H, W, 1), H * W):
+        with pytest.raises(ValueError, match=r"spatial_shape must be two integers \(H, W\) >= 1"):
+            m(x, pos, bad, mask)
+    with pytest.raises(ValueError, match="cluster_inputs must be True or False"):
+        EntropyClusteredAttention(D, HEADS, cluster_inputs="no")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"x must be \[B, HW, 16\]"):
         m(x[..., :8], None, shape, mask)
     holey = mask.clone()

@@ -41,6 +41,12 @@ def check_inputs(
     """Raise ``ValueError`` for inputs that do not fit together."""
     if x.dim() != 3 or x.shape[-1] != d_model:
         raise ValueError(f"x must be [B, HW, {d_model}], got {tuple(x.shape)}")
+    shape_ok = isinstance(spatial_shape, tuple | list) and len(spatial_shape) == 2
+    # SymInt: the sides of a feature map traced with dynamic shapes.
+    if not shape_ok or not all(
+        isinstance(s, int | torch.SymInt) and not isinstance(s, bool) and s >= 1 for s in spatial_shape
+    ):
+        raise ValueError(f"spatial_shape must be two integers (H, W) >= 1, got {spatial_shape!r}")
     H, W = spatial_shape
     if x.shape[1] != H * W:
         raise ValueError(
@@ -166,6 +172,8 @@ class EntropyClusteredAttention(DenseSelfAttention):
         super().__init__(d_model, num_heads, dropout=dropout, bias=bias)
         self.sigma = check_sigma(sigma)
         self.regions = regions
+        if not isinstance(cluster_inputs, bool):
+            raise ValueError(f"cluster_inputs must be True or False, got {cluster_inputs!r}")
         self.cluster_inputs = cluster_inputs
         # No bias: the softmax over positions cancels any constant added to every logit.
         self.entropy_proj = nn.Linear(d_model, 1, bias=False)
