@@ -40,6 +40,8 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, inherit: bool = Fal
     after the command name keep the value given after the group name
     (``leanformer visualize --json enact``) instead of being reset to their defaults.
     """
+    from leanformer.commands._options import argument_type
+    from leanformer.config import seed_argument
 
     def default(value: object) -> object:
         return argparse.SUPPRESS if inherit else value
@@ -56,23 +58,13 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, inherit: bool = Fal
     parser.add_argument("--device", default=default("cpu"), help="torch device (default: cpu)")
     parser.add_argument(
         "--seed",
-        type=_seed,
+        type=argument_type(seed_argument),
         default=default(0),
         help="random seed, an integer from -2^46 to 2^46 (default: 0)",
     )
     parser.add_argument(
         "--threads", type=int, default=default(None), help="torch intra-op threads (default: torch's)"
     )
-
-
-def _seed(text: str) -> int:
-    """``--seed`` as an argparse type: the config's check, its message as the usage error."""
-    from leanformer.config import seed_argument
-
-    try:
-        return seed_argument(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def given(args: argparse.Namespace, option: str) -> bool:
