@@ -231,6 +231,20 @@ def test_masks_are_refused_on_pooled_models() -> None:
         model.forward_features(torch.randn(1, 3, 32, 32), attn_mask=torch.ones(17, 17, dtype=torch.bool))
 
 
+@pytest.mark.parametrize("host", ["hf_vit", "hf_clip"])
+def test_attention_maps_are_refused_on_pooled_hugging_face_models(host: str, images: Tensor) -> None:
+    """The host collects its maps from attention modules the pooled blocks no longer call:
+    it returned an empty tuple without saying so."""
+    model = HOSTS[host][0]()
+    model.config._attn_implementation = "eager"  # the implementation that returns maps
+    with torch.no_grad():
+        assert len(model(pixel_values=images, output_attentions=True).attentions) == 3
+        leanformer.apply_token_pooling(model, keep=0.5, method="merge")
+        with pytest.raises(ValueError, match="cannot return attention maps"):
+            model(pixel_values=images, output_attentions=True)
+        model(pixel_values=images)  # without maps it runs
+
+
 def _timm_to_hf_vit(timm_model: nn.Module) -> nn.Module:
     """A ``transformers`` ViTModel holding ``timm_model``'s weights (fused qkv split in three)."""
     cfg = transformers.ViTConfig(

@@ -148,6 +148,12 @@ def _check_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             f"a token-pooled model cannot take an attention mask ({LIBRARY}): "
             "the mask would no longer match the pooled tokens"
         )
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            f"a token-pooled model cannot return attention maps ({LIBRARY}): its blocks run the "
+            "attention on the pooled tokens themselves, so the host's maps would be empty; call "
+            "it without output_attentions (or remove_token_pooling first)"
+        )
 
 
 class _SizedMultiheadAttention:
