@@ -603,6 +603,9 @@ def test_single_figure_commands_write_into_an_existing_folder(tmp_path: Path, ca
         "perceiver_attention.png",
     ]
     assert not (tmp_path / "figures.png").exists()
+    # A folder still to be made, written with a trailing slash, is a folder too.
+    assert main(["visualize", "enact", "--image", "noise", "--out", f"{tmp_path / 'new'}/", "--quiet"]) == 0
+    assert [p.name for p in (tmp_path / "new").iterdir()] == ["enact_noise_seed0_s16_sigma3.png"]
     for cols in ("0", "-2"):
         err = _usage_error([*argv, "--cols", cols, "--out", str(folder)], capsys)
         assert f"argument --cols: must be >= 1, got {cols}" in err

@@ -46,6 +46,8 @@ def test_unknown_dataset_and_split() -> None:
         build_dataset("digit", split="train")
     with pytest.raises(ValueError, match="split"):
         build_dataset("digits", split="validation")
+    with pytest.raises(TypeError, match="a dataset name must be a string, got None; known: "):
+        build_dataset(None, split="train")  # type: ignore[arg-type]
     assert {"digits", "cifar10", "imagefolder"} <= set(list_datasets())
 
 

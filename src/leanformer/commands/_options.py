@@ -8,6 +8,7 @@ in :mod:`leanformer.config`. :func:`add_config_flags` adds them to a parser and
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -64,10 +65,11 @@ def argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def figure_path(out: str, default_name: str) -> Path:
-    """``--out`` of a command that draws one figure: a file path, or an existing folder to
-    put ``default_name`` in (not ``<folder>.png`` beside it)."""
+    """``--out`` of a command that draws one figure: a file path, or a folder to put
+    ``default_name`` in (not ``<folder>.png`` beside it): an existing one, or one written
+    with a trailing slash (``runs/figures/``)."""
     path = Path(out)
-    return path / default_name if path.is_dir() else path
+    return path / default_name if path.is_dir() or out.endswith(("/", os.sep)) else path
 
 
 def keep_argument(text: str) -> KeepSchedule:

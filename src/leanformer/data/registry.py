@@ -68,6 +68,10 @@ def list_datasets() -> list[str]:
 def build_dataset(name: str, *, split: str, **options: Any) -> Dataset:
     """Build dataset ``name`` for ``split`` ("train" or "test"); options go to its builder."""
     _load_builtin()
+    if not isinstance(name, str):
+        raise TypeError(
+            f"a dataset name must be a string, got {name!r}; known: {', '.join(sorted(_BUILDERS))}"
+        )
     if name not in _BUILDERS:
         close = difflib.get_close_matches(name, sorted(_BUILDERS), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(sorted(_BUILDERS))}"
