@@ -200,6 +200,20 @@ def test_second_patch_raises_naming_the_library(host: str) -> None:
         leanformer.apply_token_pooling(model, keep=0.5, method="merge")
 
 
+@pytest.mark.parametrize("method", ["kmeans", "wkmedoids", "merge", "entrymerge", "powerbert"])
+@pytest.mark.parametrize("training", [False, True])
+def test_an_empty_batch_gives_the_hosts_empty_output(method: str, training: bool) -> None:
+    """Clusterings had no tokens to seed from and score-needing methods no scores: an empty
+    batch now passes through the host's own blocks, as it does unpatched."""
+    model = HOSTS["timm_avgmax"][0]().train(training)
+    empty = torch.randn(0, 3, 32, 32)
+    expected = model(empty)
+    leanformer.apply_token_pooling(model, keep=0.5, method=method, carry=True)
+    out = model(empty)
+    assert out.shape == expected.shape == (0, 7)
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 7)  # and the next batch pools
+
+
 @pytest.mark.parametrize("carry", ["no", 1, None])
 def test_carry_must_be_a_yes_or_no(carry: object) -> None:
     """A word would be truthy: sizes tracked although the caller said no."""

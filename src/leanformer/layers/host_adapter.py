@@ -154,6 +154,11 @@ class _PooledForward:
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         self.check_call(args, kwargs)
         pooling = self.pooling
+        if x.shape[0] == 0:
+            # An empty batch has nothing to pool (and a clustering no tokens to seed from):
+            # the host's own block gives the empty output the unpatched model gives.
+            pooling.sizes = None
+            return type(self.block).forward(self.block, x, *args, **kwargs)
         sizes = None if self.index == 0 else pooling.sizes
         reducer, reduce_at = pooling.reducer(self.index), pooling.reduce_at
         entry_assign = None
