@@ -189,3 +189,12 @@ def test_checkpoint_with_the_old_projection_bias_still_loads():
     again = make(seed=1)
     again.load_state_dict(old)
     torch.testing.assert_close(again(x, pos, shape), enact(x, pos, shape))
+
+
+def test_an_empty_batch_gives_an_empty_output():
+    """Dense attention returns [0, HW, D]; the region plan's maximum over no maps failed."""
+    x = torch.randn(0, 20, D, requires_grad=True)
+    out = make()(x, None, (4, 5), None)
+    assert out.shape == (0, 20, D)
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape

@@ -225,6 +225,12 @@ class EntropyClusteredAttention(DenseSelfAttention):
         if spatial_shape is None:
             raise ValueError("EntropyClusteredAttention needs spatial_shape=(H, W) of the feature map")
         check_inputs(x, pos, spatial_shape, key_padding_mask, self.d_model)
+        if x.shape[0] == 0:
+            # No maps to cluster (and no counts to take a maximum of): as empty an output as
+            # dense attention gives, still connected to x for autograd.
+            self.last_cluster_counts = x.new_zeros(0, dtype=torch.long)
+            self.last_valid_counts = x.new_zeros(0, dtype=torch.long)
+            return x * 0.0
         valid = ~key_padding_mask if key_padding_mask is not None else None
         qk_in = x + pos if pos is not None else x
         entropy = self.entropy(qk_in, valid)
