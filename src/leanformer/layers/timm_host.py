@@ -33,7 +33,6 @@ from leanformer.layers.host_adapter import (
     nothing_to_pool,
 )
 from leanformer.layers.pooling_state import TokenPooling
-from leanformer.layers.token_pooling import misread_grid
 from leanformer.ops.attention import attention, size_bias
 
 __all__ = ["LIBRARY", "adapt", "block_parts", "weighted_token_mean"]
@@ -142,39 +141,9 @@ class _SizedPool:
         return mean if pool_type == "avg" else 0.5 * (tokens.amax(dim=1) + mean)
 
 
-class _GridCheckedEmbed:
-    """``patch_embed.forward`` while ``conv`` pools: conv sees only token counts, so an image
-    whose token grid it would read as another (a 4x16 grid read as the host's 8x8) is
-    refused instead of merged across rows. Grids are Python ints: nothing syncs."""
-
-    def __init__(self, embed: Any, pooling: TokenPooling) -> None:
-        self.embed = embed  # timm's PatchEmbed
-        self.pooling = pooling
-
-    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
-        readers: list[Any] = [r for r in self.pooling.reducers.values() if hasattr(r, "grid_for")]
-        if readers:
-            size = (int(x.shape[-2]), int(x.shape[-1]))
-            feat = getattr(self.embed, "dynamic_feat_size", None)
-            patch = self.embed.patch_size
-            h, w = feat(size) if callable(feat) else (size[0] // patch[0], size[1] // patch[1])
-            if (wrong := misread_grid(readers[0].grid_for, int(h), int(w))) is not None:
-                built = "x".join(map(str, self.pooling.grid_size))
-                then = "" if wrong == (h, w) else f", then {wrong[0]}x{wrong[1]}"
-                raise ValueError(
-                    f"conv pooling cannot place the tokens of a {size[0]}x{size[1]} image ({h}x{w}{then}) "
-                    f"on their grid, as it sees only their number; give images with the {built} grid "
-                    "the model was built for, or square ones"
-                )
-        return type(self.embed).forward(self.embed, x, *args, **kwargs)
-
-
 def _pool_overrides(model: VisionTransformer) -> Any:
     def overrides(pooling: TokenPooling) -> list[Override]:
-        found: list[Override] = [(model, "pool", _SizedPool(model, pooling))]
-        if pooling.method == "conv":
-            found.append((model.patch_embed, "forward", _GridCheckedEmbed(model.patch_embed, pooling)))
-        return found
+        return [(model, "pool", _SizedPool(model, pooling))]
 
     return overrides
 

@@ -276,24 +276,6 @@ def halved_grid(h: int, w: int) -> tuple[int, int]:
     return -(-h // 2), -(-w // 2)
 
 
-def misread_grid(grid_for: Callable[[int], tuple[int, int]], h: int, w: int) -> tuple[int, int] | None:
-    """The first grid of ``h x w`` and its 2x2 halvings that ``grid_for`` (a conv layer's
-    reading of a token count) would take for another, or None if it reads them all right.
-
-    A dynamic-size host hands conv only the token count: 64 tokens of a 4x16 image
-    would be read as the 8x8 grid the host was built for, and merged across rows."""
-    while True:
-        try:
-            read: tuple[int, int] | None = grid_for(h * w)
-        except ValueError:
-            read = None
-        if read != (h, w):
-            return h, w
-        if h * w <= 1:
-            return None
-        h, w = halved_grid(h, w)
-
-
 class ConvDownsample(_Reducer):
     """Learned 2x2 stride-2 convolution on the token grid, same width (appendix D).
 
@@ -323,7 +305,7 @@ class ConvDownsample(_Reducer):
             self.conv.bias.zero_()
 
     def grid_for(self, n: int) -> tuple[int, int]:
-        h, w = built = self.grid_size
+        h, w = self.grid_size
         if n == h * w:
             return h, w
         # Its own grid halved (2x2 windows, odd sides rounded up): what this layer receives
@@ -337,8 +319,7 @@ class ConvDownsample(_Reducer):
             return side, side
         raise ValueError(
             f"conv downsampling needs the tokens on their grid: got {n} tokens, expected "
-            f"{built[0]}x{built[1]}={built[0] * built[1]}, a 2x2 halving of it, or a square number; "
-            "conv can only follow other conv layers"
+            f"{h}x{w}={h * w} (or a square number); conv can only follow other conv layers"
         )
 
     def output_count(self, n: int) -> int:
