@@ -305,7 +305,7 @@ class ConvDownsample(_Reducer):
             self.conv.bias.zero_()
 
     def grid_for(self, n: int) -> tuple[int, int]:
-        h, w = self.grid_size
+        h, w = built = self.grid_size
         if n == h * w:
             return h, w
         # Its own grid halved (2x2 windows, odd sides rounded up): what this layer receives
@@ -319,7 +319,8 @@ class ConvDownsample(_Reducer):
             return side, side
         raise ValueError(
             f"conv downsampling needs the tokens on their grid: got {n} tokens, expected "
-            f"{h}x{w}={h * w} (or a square number); conv can only follow other conv layers"
+            f"{built[0]}x{built[1]}={built[0] * built[1]}, a 2x2 halving of it, or a square number; "
+            "conv can only follow other conv layers"
         )
 
     def output_count(self, n: int) -> int:
