@@ -166,6 +166,11 @@ def test_bad_inputs_raise():
     for bad in ((-H, -W), (float(H), float(W)), (H, W, 1), H * W):
         with pytest.raises(ValueError, match=r"spatial_shape must be two integers \(H, W\) >= 1"):
             m(x, pos, bad, mask)
+    import numpy as np
+
+    reference = m(x, pos, shape, mask)  # NumPy integers and integer 0-d tensors are sides too
+    for sides in ((np.int64(H), np.int64(W)), (torch.tensor(H), torch.tensor(W))):
+        torch.testing.assert_close(m(x, pos, sides, mask), reference)
     with pytest.raises(ValueError, match="cluster_inputs must be True or False"):
         EntropyClusteredAttention(D, HEADS, cluster_inputs="no")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"x must be \[B, HW, 16\]"):

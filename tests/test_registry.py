@@ -81,7 +81,10 @@ print(len(list_models()))
             lambda: leanformer.register_model(" ")(torch.nn.Identity),
             "a model name must be a non-empty string",
         ),
-        (lambda: leanformer.register_model("_test_dict")(dict), "register an nn.Module subclass"),
+        (
+            lambda: leanformer.register_model("_test_dict")(dict),
+            "register an nn.Module subclass or a function",
+        ),
         (lambda: leanformer.register_model(torch.nn.Identity), "register_model needs a name"),
     ],
 )
@@ -181,3 +184,16 @@ def test_optional_yes_no_options_refuse_words(name: str) -> None:
 @pytest.mark.parametrize("name", FULL)
 def test_contract_full_size(name: str) -> None:
     _contract(name, batch=1, max_img_size=64)
+
+
+def test_a_factory_function_registers() -> None:
+    from leanformer.models.registry import _REGISTRY
+
+    def factory(width: int = 3) -> torch.nn.Module:
+        return torch.nn.Linear(2, width)
+
+    leanformer.register_model("_test_factory")(factory)
+    try:
+        assert leanformer.create_model("_test_factory", width=5).out_features == 5
+    finally:
+        del _REGISTRY["_test_factory"]

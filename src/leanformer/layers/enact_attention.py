@@ -10,6 +10,7 @@ padding, as DETR and ``nn.MultiheadAttention``). As in DETR the queries and keys
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,6 +32,19 @@ from leanformer.ops.regions import RegionPlan, plan_from_starts, region_starts, 
 REGION_MODES = ("curvature", "single")
 
 
+def _is_side(side: Any) -> bool:
+    """An integer >= 1: a Python or NumPy integer, an integer 0-d tensor, or a SymInt (the
+    side of a feature map traced with dynamic shapes); not a bool or a float."""
+    if isinstance(side, bool):
+        return False
+    if not isinstance(side, int | torch.SymInt):
+        try:
+            side = operator.index(side)
+        except TypeError:
+            return False
+    return bool(side >= 1)
+
+
 def check_inputs(
     x: Tensor,
     pos: Tensor | None,
@@ -42,10 +56,7 @@ def check_inputs(
     if x.dim() != 3 or x.shape[-1] != d_model:
         raise ValueError(f"x must be [B, HW, {d_model}], got {tuple(x.shape)}")
     shape_ok = isinstance(spatial_shape, tuple | list) and len(spatial_shape) == 2
-    # SymInt: the sides of a feature map traced with dynamic shapes.
-    if not shape_ok or not all(
-        isinstance(s, int | torch.SymInt) and not isinstance(s, bool) and s >= 1 for s in spatial_shape
-    ):
+    if not shape_ok or not all(_is_side(s) for s in spatial_shape):
         raise ValueError(f"spatial_shape must be two integers (H, W) >= 1, got {spatial_shape!r}")
     H, W = spatial_shape
     if x.shape[1] != H * W:

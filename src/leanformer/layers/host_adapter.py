@@ -201,11 +201,11 @@ def patch_host(adapter: HostAdapter, pooling: TokenPooling) -> nn.Module:
     """
     check_unpatched(adapter)
     owner = adapter.owner
-    ref = next(owner.parameters(), None)
+    ref = next((p for p in owner.parameters() if p.is_floating_point()), None)
     if ref is not None:
         # The host's dtype too (a model cast to bfloat16 before patching): conv's weights
         # must match the tokens they downsample.
-        pooling.to(device=ref.device, dtype=ref.dtype if ref.dtype.is_floating_point else None)
+        pooling.to(device=ref.device, dtype=ref.dtype)
     pooling.train(owner.training)  # modes follow the host from the start
     overrides: list[Override] = [
         (block, "forward", _PooledForward(block, i, pooling, adapter))

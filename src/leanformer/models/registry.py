@@ -74,8 +74,9 @@ def register_model(
 def _check_entry(name: Any, cls: Any, family: Any) -> None:
     if not isinstance(name, str) or not name.strip():
         raise TypeError(f"a model name must be a non-empty string, got {name!r}")
-    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-        raise TypeError(f"model {name!r}: register an nn.Module subclass, got {cls!r}")
+    # A class, or a factory function that returns a module.
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)) and not inspect.isfunction(cls):
+        raise TypeError(f"model {name!r}: register an nn.Module subclass or a function, got {cls!r}")
     if not isinstance(family, str) or not family:
         raise TypeError(f"model {name!r}: family must be a non-empty string, got {family!r}")
 
