@@ -257,6 +257,9 @@ def test_attention_maps_are_refused_on_pooled_hugging_face_models(host: str, ima
         with pytest.raises(ValueError, match="cannot return attention maps"):
             model(pixel_values=images, output_attentions=True)
         model(pixel_values=images)  # without maps it runs
+        model.config.output_attentions = True  # maps asked for by the config, not the call
+        with pytest.raises(ValueError, match="cannot return attention maps"):
+            model(pixel_values=images)
 
 
 def _timm_to_hf_vit(timm_model: nn.Module) -> nn.Module:

@@ -141,19 +141,27 @@ def _parts(layout: _Layout) -> Callable[[nn.Module], BlockParts]:
     return parts
 
 
-def _check_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    mask = args[0] if args else kwargs.get("attention_mask")
-    if mask is not None:
-        raise ValueError(
-            f"a token-pooled model cannot take an attention mask ({LIBRARY}): "
-            "the mask would no longer match the pooled tokens"
-        )
-    if kwargs.get("output_attentions"):
-        raise ValueError(
-            f"a token-pooled model cannot return attention maps ({LIBRARY}): its blocks run the "
-            "attention on the pooled tokens themselves, so the host's maps would be empty; call "
-            "it without output_attentions (or remove_token_pooling first)"
-        )
+class _CallCheck:
+    """Refuses the call arguments a pooled layer cannot honour. Holds the model's config:
+    ``config.output_attentions = True`` asks for maps without any call argument."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mask = args[0] if args else kwargs.get("attention_mask")
+        if mask is not None:
+            raise ValueError(
+                f"a token-pooled model cannot take an attention mask ({LIBRARY}): "
+                "the mask would no longer match the pooled tokens"
+            )
+        if kwargs.get("output_attentions") or getattr(self.config, "output_attentions", False):
+            raise ValueError(
+                f"a token-pooled model cannot return attention maps ({LIBRARY}): its blocks run the "
+                "attention on the pooled tokens themselves, so the host's maps would be empty; call "
+                "it without output_attentions, with config.output_attentions off (or "
+                "remove_token_pooling first)"
+            )
 
 
 class _SizedMultiheadAttention:
@@ -226,7 +234,7 @@ def adapt(model: nn.Module) -> HostAdapter:
         num_tokens=grid_h * grid_w,
         grid_size=(grid_h, grid_w),
         dim=int(config.hidden_size),
-        check_call=_check_call,
+        check_call=_CallCheck(config),
         pool_overrides=_pool_overrides(base),
     )
 
