@@ -106,10 +106,11 @@ class _Attention:
         self.heads = attn.q_proj.out_features // self.head_dim
         self.scale = float(attn.scaling if hasattr(attn, "scaling") else attn.scale)
         self.dropout = float(attn.attention_dropout if hasattr(attn, "attention_dropout") else attn.dropout)
+        # A submodule of attn: a deep copy maps it to the copy's, as it maps attn.
+        self.out_proj = attn.o_proj if hasattr(attn, "o_proj") else attn.out_proj
 
     def __call__(self, x: Tensor, sizes: Tensor | None, need_received: bool) -> tuple[Tensor, Tensor | None]:
-        attn, heads, head_dim = self.attn, self.heads, self.head_dim
-        out_proj = attn.o_proj if hasattr(attn, "o_proj") else attn.out_proj
+        attn, heads, head_dim, out_proj = self.attn, self.heads, self.head_dim, self.out_proj
         B, N, _ = x.shape
         q, k, v = (
             proj(x).view(B, N, heads, head_dim).transpose(1, 2)
