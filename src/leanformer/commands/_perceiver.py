@@ -16,7 +16,7 @@ def load_perceiver(args: argparse.Namespace, *, split: str, command: str) -> tup
     """``(model, dataset)`` from ``--checkpoint`` (its own data config) or ``--model`` + ``--data``;
     ``command`` names the subcommand in the error for a model that is not a Perceiver."""
     from leanformer.config import RunConfig, apply_overrides, from_dict, load_config
-    from leanformer.engine.builders import build_model, build_split, check_data_fits
+    from leanformer.engine.builders import build_model, build_split, check_model_fits
 
     overrides = data_overrides(args)
     if getattr(args, "limit", None) is not None:
@@ -39,5 +39,5 @@ def load_perceiver(args: argparse.Namespace, *, split: str, command: str) -> tup
     query_budget(model, needed_by=command)
     dataset = build_split(cfg.data, split)
     info = dataset.info  # type: ignore[attr-defined]
-    check_data_fits(type(model), info, name=getattr(model, "leanformer_name", None))
+    check_model_fits(model, info)
     return model.to(args.device).eval(), dataset

@@ -129,14 +129,13 @@ def _warn_untrained(model: torch.nn.Module) -> None:
 
 def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.data.loaders import eval_loader
-    from leanformer.engine.builders import build_split, check_channels_fit, check_data_fits
+    from leanformer.engine.builders import build_split, check_model_fits
     from leanformer.engine.evaluate import evaluate
 
     cfg, model = _config(args)
     dataset = build_split(cfg.data, args.split)
     info = dataset.info  # type: ignore[attr-defined]
-    check_data_fits(type(model), info, name=getattr(model, "leanformer_name", None))
-    check_channels_fit(model, info, name=getattr(model, "leanformer_name", None))
+    check_model_fits(model, info)
     kept: list[torch.Tensor] = []
 
     def collect(m: torch.nn.Module) -> None:

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.apps.sweep_config import BASELINE
     from leanformer.apps.tradeoff import check_poolable, with_method
     from leanformer.data.registry import build_dataset
-    from leanformer.engine.builders import check_channels_fit, check_data_fits
+    from leanformer.engine.builders import check_model_fits
     from leanformer.models.pretrained import model_card
 
     if args.num_examples < 1:
@@ -115,8 +115,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     data: Any = build_dataset(args.data, split="test", **options)  # a Dataset with info and a length
     torch.manual_seed(args.seed)
     base = (trained if trained is not None else _build(args, data.info)).to(args.device).eval()
-    check_data_fits(type(base), data.info, name=getattr(base, "leanformer_name", None))
-    check_channels_fit(base, data.info, name=getattr(base, "leanformer_name", None))
+    check_model_fits(base, data.info)
     check_poolable(type(base))  # the maps follow patch tokens through a ViT's blocks
     grid = grid_of(base)
     keep = parse_keep(args.keep)  # already a KeepSchedule from the command line; as is then

@@ -59,9 +59,11 @@ def check_data_fits(model_cls: type[nn.Module], info: DatasetInfo, *, name: str 
         )
 
 
-def check_channels_fit(model: nn.Module, info: DatasetInfo, *, name: str | None = None) -> None:
-    """A clear error when a built model (a checkpoint's, say) takes other image channels than
-    the data gives, instead of the first convolution's shape error."""
+def check_model_fits(model: nn.Module, info: DatasetInfo) -> None:
+    """:func:`check_data_fits` for a built model (a checkpoint's, say), and its image
+    channels: a clear error instead of the first convolution's shape error."""
+    name = getattr(model, "leanformer_name", None)
+    check_data_fits(type(model), info, name=name)
     takes = getattr(model, "in_chans", None)
     if isinstance(takes, int) and info.in_chans is not None and takes != info.in_chans:
         raise ValueError(
