@@ -27,10 +27,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             close = difflib.get_close_matches(args.family, families, n=3, cutoff=0.5)
             hint = f"did you mean {', '.join(close)}? " if close else ""
             raise ValueError(f"unknown family {args.family!r}; {hint}families: {', '.join(families)}")
-    names = list_models(args.pattern, family=args.family)
     shipped = set(shipped_models())
-    if args.pretrained:
-        names = [n for n in names if n in shipped]
+    names = _filtered(args, shipped, args.pattern)
     rows = []
     for name in names:
         entry = model_info(name)
@@ -49,13 +47,13 @@ def run(args: argparse.Namespace) -> list[dict]:
             mark = " [pretrained]" if r["pretrained"] else ""
             print(f"{r['model']:<{width}}  {r['family']:<10} {r['description']}{mark}")
         if not rows:
-            print(f"no models match{_near_names(args.pattern, _candidates(args, shipped))}")
+            print(f"no models match{_near_names(args.pattern, _filtered(args, shipped, None))}")
     return rows
 
 
-def _candidates(args: argparse.Namespace, shipped: set[str]) -> list[str]:
-    """The names the filters (``--family``, ``--pretrained``) leave, before the pattern."""
-    names = list_models(family=args.family)
+def _filtered(args: argparse.Namespace, shipped: set[str], pattern: str | None) -> list[str]:
+    """The names ``pattern`` and the filters (``--family``, ``--pretrained``) leave."""
+    names = list_models(pattern, family=args.family)
     return [n for n in names if n in shipped] if args.pretrained else names
 
 
