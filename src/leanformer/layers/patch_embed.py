@@ -36,13 +36,19 @@ class PatchEmbed(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, tuple[int, int]]:
         if x.ndim != 4:
             raise ValueError(f"expected images [B, C, H, W], got shape {tuple(x.shape)}")
-        H, W = x.shape[-2:]
-        p = self.patch_size
-        if H % p or W % p:
-            raise ValueError(f"image size {H}x{W} is not a multiple of the patch size {p}")
+        check_image_sides(x.shape[-2], x.shape[-1], (self.patch_size, self.patch_size))
         x = self.proj(x)
         grid = (x.shape[-2], x.shape[-1])
         return x.flatten(2).transpose(1, 2), grid
+
+
+def check_image_sides(height: int, width: int, patch: tuple[int, int]) -> None:
+    """A ValueError naming both sizes when an image's sides are not multiples of the patch."""
+    if height % patch[0] or width % patch[1]:
+        raise ValueError(
+            f"image size {height}x{width} is not a multiple of the patch size {patch[0]}x{patch[1]}; "
+            "give an image size that is a multiple of it (--img-size)"
+        )
 
 
 def to_2tuple(v: int | tuple[int, int] | list[int], *, name: str = "img_size") -> tuple[int, int]:
@@ -58,4 +64,4 @@ def to_2tuple(v: int | tuple[int, int] | list[int], *, name: str = "img_size") -
     return (int(pair[0]), int(pair[1]))
 
 
-__all__ = ["PatchEmbed", "resample_pos_embed", "to_2tuple"]
+__all__ = ["PatchEmbed", "check_image_sides", "resample_pos_embed", "to_2tuple"]

@@ -29,7 +29,7 @@ from leanformer.layers.checks import check_positive, check_positive_number, chec
 from leanformer.layers.classifier import classifier
 from leanformer.layers.host_adapter import install
 from leanformer.layers.init import init_vit_weights
-from leanformer.layers.patch_embed import to_2tuple
+from leanformer.layers.patch_embed import check_image_sides, to_2tuple
 from leanformer.layers.reducer import ReducePosition
 from leanformer.layers.timm_host import adapt
 from leanformer.models.registry import create_model, register
@@ -138,14 +138,9 @@ class DistilledDeiT(DeiT, VisionTransformerDistilled):
 
 
 def _check_image_sides(patch_embed: nn.Module, inputs: tuple[Any, ...]) -> None:
-    """A ValueError naming both sizes when an image's sides are not multiples of the patch."""
+    """timm's PatchEmbed pre-hook: the check our own PatchEmbed makes, before timm's assert."""
     height, width = inputs[0].shape[-2:]
-    patch_h, patch_w = cast(tuple[int, int], patch_embed.patch_size)  # timm keeps a pair
-    if height % patch_h or width % patch_w:
-        raise ValueError(
-            f"image size {height}x{width} is not a multiple of the patch size {patch_h}x{patch_w}; "
-            "give an image size that is a multiple of it (--img-size)"
-        )
+    check_image_sides(height, width, cast(tuple[int, int], patch_embed.patch_size))  # timm keeps a pair
 
 
 def _rename_old_reducer_keys(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
