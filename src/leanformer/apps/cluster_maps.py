@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from leanformer.layers.reducer import BudgetedReducer
+from leanformer.layers.reducer import BudgetedReducer, Grid, count_after, reads_grid
 
 
 class _SourceProbe(nn.Module):
@@ -25,23 +25,28 @@ class _SourceProbe(nn.Module):
         super().__init__()
         self.inner = inner
         self.needs_received = bool(getattr(inner, "needs_received", False))
+        self.reads_grid = reads_grid(inner)
         self.__dict__["_trace"] = trace  # shared, not a submodule
         self.index = index
 
-    def output_count(self, n: int) -> int:
+    def output_count(self, n: int, grid: Grid | None = None) -> int:
         # The entry step (reduce_at="entry") sizes itself from every reducer's count.
-        return cast(BudgetedReducer, self.inner).output_count(n)
+        return count_after(cast(BudgetedReducer, self.inner), n, grid)
 
     def forward(
-        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, count: int | None = None
+        self,
+        tokens: Tensor,
+        sizes: Tensor | None,
+        received: Tensor | None,
+        count: int | None = None,
+        grid: Grid | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         trace: list[Tensor | None] = self.__dict__["_trace"]
         with torch.enable_grad():
             t = tokens.detach().requires_grad_(True)
-            if count is None:
-                out, out_sizes = self.inner(t, sizes, received)
-            else:  # the entry step: the same reducer, told its count
-                out, out_sizes = self.inner(t, sizes, received, count=count)
+            # The entry step's count, and conv's grid, reach the reducer as they reached us.
+            extra = {k: v for k, v in (("count", count), ("grid", grid)) if v is not None}
+            out, out_sizes = self.inner(t, sizes, received, **extra)
             B, K, C = out.shape
             # Cotangent j is one-hot on (token j, channel 0) for every example: row j of
             # each example's Jacobian in a single batched backward.

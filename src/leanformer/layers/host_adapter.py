@@ -1,14 +1,16 @@
 """The host adapter: what a token reduction needs from a third-party vision transformer.
 
-A reduction needs four things from a host, and nothing else:
+A reduction needs five things from a host, and nothing else:
 
 1. per block, the pre-norm attention half run from the host's own submodules, with
    token sizes (``log(size)`` key bias) and, when asked, the attention each token
-   received (:class:`BlockParts`, :func:`attention_half`);
+   received (:class:`BlockParts`);
 2. where the MLP half of the block starts (the reducer sits between the two halves);
 3. how many prefix tokens (class, distillation, register) precede the patch tokens;
 4. how the final representation is pooled, so an average or an attention pool over
-   pooled tokens can weigh each token by its size (:meth:`HostAdapter.install_pool`).
+   pooled tokens can weigh each token by its size (``HostAdapter.pool_overrides``);
+5. the patch projection, whose output shows the grid of the image at hand, for reducers
+   that read the raster (``conv``).
 
 One :class:`HostAdapter` per host family (``leanformer.patch.timm``,
 ``leanformer.patch.transformers``) answers those; :func:`patch_host` then installs one
@@ -29,8 +31,10 @@ from leanformer.layers.budgets import KeepLike, KeepSchedule, parse_keep
 from leanformer.layers.pooling_state import ReducePosition, TokenPooling
 from leanformer.layers.reducer import (
     BEFORE_ATTENTION,
+    Grid,
     TokenReducer,
     compose_assignments,
+    grid_after,
     reduce_tokens,
     takes_a_count,
 )
@@ -84,13 +88,15 @@ def pooled_block_forward(
     reducer: TokenReducer | None,
     num_prefix: int,
     reduce_at: ReducePosition,
+    grid: Grid | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """One host block with a reducer after its attention (or after its MLP, or at its input).
 
-    ``x [B, N, C]``, ``sizes [B, N] | None`` -> ``(x [B, N', C], sizes [B, N'] | None)``.
+    ``x [B, N, C]``, ``sizes [B, N] | None`` -> ``(x [B, N', C], sizes [B, N'] | None)``;
+    ``grid``: the raster of the patch tokens, for a reducer that reads it (conv).
     """
     if reducer is not None and reduce_at == "input":
-        x, sizes = reduce_tokens(reducer, x, sizes, None, num_prefix)
+        x, sizes = reduce_tokens(reducer, x, sizes, None, num_prefix, grid=grid)
         reducer = None
     need_received = reducer is not None and bool(getattr(reducer, "needs_received", False))
     attn_out, received = parts.attention(parts.norm1(x), sizes, need_received)
@@ -98,11 +104,11 @@ def pooled_block_forward(
     # Freed before the MLP, as in the host's own block: its peak is the MLP's hidden layer.
     del attn_out
     if reducer is not None and reduce_at == "attn":
-        x, sizes = reduce_tokens(reducer, x, sizes, received, num_prefix)
+        x, sizes = reduce_tokens(reducer, x, sizes, received, num_prefix, grid=grid)
     x = x + _chain(parts.mlp(parts.norm2(x)), parts.mlp_post)
     if reducer is not None and reduce_at == "mlp":
         # Scores still come from this block's attention: the token set is unchanged.
-        x, sizes = reduce_tokens(reducer, x, sizes, received, num_prefix)
+        x, sizes = reduce_tokens(reducer, x, sizes, received, num_prefix, grid=grid)
     return x, sizes
 
 
@@ -132,6 +138,10 @@ class HostAdapter:
     check_call: Callable[[tuple[Any, ...], dict[str, Any]], None] = _no_extra_arguments
     # Size-aware final pooling: (module, attribute, replacement) given the pooling state.
     pool_overrides: Callable[[TokenPooling], list[Override]] = lambda pooling: []
+    # The module that embeds the patches as [B, C, rows, cols] (a conv): its output tells
+    # the first block the grid of the image at hand, which the count alone does not (an
+    # 8x32 image and a 16x16 one both give 16 patches of 4x4). None: read from the count.
+    patch_projection: nn.Module | None = None
 
     def error(self, msg: str) -> UnsupportedHostError:
         return UnsupportedHostError(f"token pooling cannot patch this model ({self.library}): {msg}")
@@ -154,28 +164,55 @@ class _PooledForward:
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         self.check_call(args, kwargs)
         pooling = self.pooling
+        if self.index == 0:
+            # Read once: blocks run later on tokens of their own (no image embedded) get
+            # no stale grid, and conv reads their count instead.
+            grid, pooling.embedded_grid = pooling.embedded_grid, None
+        else:
+            grid = pooling.grid
         if x.shape[0] == 0:
             # An empty batch has nothing to pool (and a clustering no tokens to seed from):
             # the host's own block gives the empty output the unpatched model gives.
-            pooling.sizes = None
+            pooling.sizes = pooling.grid = None
             return type(self.block).forward(self.block, x, *args, **kwargs)
         sizes = None if self.index == 0 else pooling.sizes
         reducer, reduce_at = pooling.reducer(self.index), pooling.reduce_at
         entry_assign = None
         if reduce_at == "entry":
             patches = x.shape[1] - pooling.num_prefix
-            if self.index == 0 and reducer is not None and (count := pooling.entry_count(patches)) < patches:
+            if (
+                self.index == 0
+                and reducer is not None
+                and (count := pooling.entry_count(patches, grid)) < patches
+            ):
                 # The entry step: the embedded patches, before the first attention.
-                x, sizes = reduce_tokens(reducer, x, sizes, None, pooling.num_prefix, count=count)
+                x, sizes = reduce_tokens(reducer, x, sizes, None, pooling.num_prefix, count=count, grid=grid)
+                grid = grid_after(reducer, grid, patches, x.shape[1] - pooling.num_prefix)
                 if getattr(reducer, "record", False):
                     entry_assign = reducer.last_assign  # type: ignore[attr-defined]
             reduce_at = "attn"
-        x, sizes = pooled_block_forward(self.parts, x, sizes, reducer, pooling.num_prefix, reduce_at)
+        before = x.shape[1]
+        x, sizes = pooled_block_forward(self.parts, x, sizes, reducer, pooling.num_prefix, reduce_at, grid)
         if entry_assign is not None:
             # The first block's reducer ran twice; its record maps each patch through both.
             reducer.last_assign = compose_assignments(entry_assign, reducer.last_assign)  # type: ignore[union-attr]
         pooling.sizes = sizes
+        pooling.grid = grid_after(reducer, grid, before, x.shape[1])
         return x
+
+
+class _RecordGrid:
+    """The ``forward`` a patch projection gets: the host's own, recording the grid it made."""
+
+    def __init__(self, projection: nn.Module, pooling: TokenPooling) -> None:
+        self.projection = projection
+        self.pooling = pooling
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = type(self.projection).forward(self.projection, *args, **kwargs)
+        if isinstance(out, Tensor) and out.dim() == 4:
+            self.pooling.embedded_grid = (out.shape[-2], out.shape[-1])
+        return out
 
 
 def is_host_patched(adapter: HostAdapter) -> bool:
@@ -212,6 +249,9 @@ def patch_host(adapter: HostAdapter, pooling: TokenPooling) -> nn.Module:
         for i, block in enumerate(adapter.blocks)
     ]
     overrides += adapter.pool_overrides(pooling)
+    projection = adapter.patch_projection
+    if projection is not None:
+        overrides.append((projection, "forward", _RecordGrid(projection, pooling)))
     for module, name, value in overrides:
         module.__dict__[name] = value
     pooling.overrides = [(module, name) for module, name, _ in overrides]

@@ -19,9 +19,12 @@ from leanformer.layers.budgets import KeepSchedule, parse_keep
 from leanformer.layers.reducer import (
     REDUCE_POSITIONS,
     BudgetedReducer,
+    Grid,
     ReducePosition,
     TokenReducer,
+    count_after,
     entry_count,
+    grid_after,
 )
 from leanformer.layers.token_pooling import build_reducers
 
@@ -70,6 +73,10 @@ class TokenPooling(nn.Module):
         # attribute stored before a later torch.cond, which the clusterings use compiled
         # (benchmarks/repro_dynamo_cond_attribute.py).
         self._carried: dict[str, Tensor | None] = {"sizes": None}
+        # The patch grid of the latest embedded image (rows, cols), recorded where the host
+        # embeds it and read by the first block; then the grid the tokens lie on after
+        # each block, for reducers that read it (conv). Dict entries, as for the sizes.
+        self._grids: dict[str, Grid | None] = {"embedded": None, "current": None}
         self.overrides: list[tuple[nn.Module, str]] = []
         # Follows the model's device, so reducers rebuilt for a new budget land there too.
         self.register_buffer("_device_anchor", torch.empty(0), persistent=False)
@@ -87,15 +94,19 @@ class TokenPooling(nn.Module):
         # Every entry passed the TokenReducer check in _as_module_dict.
         return cast(TokenReducer, self.reducers[key]) if key in self.reducers else None
 
-    def entry_count(self, n: int) -> int:
+    def entry_count(self, n: int, grid: Grid | None = None) -> int:
         """Patch tokens the ``entry`` step keeps of ``n`` (:func:`~leanformer.layers.reducer.entry_count`),
-        from what the blocks' reducers keep without it."""
+        from what the blocks' reducers keep without it (``grid``: the patches' raster, when known)."""
         counts = [n]  # tokens after each block (a block without a reducer keeps them all)
         for i in range(self.depth):
             reducer = self.reducer(i)
-            counts.append(
-                counts[-1] if reducer is None else cast(BudgetedReducer, reducer).output_count(counts[-1])
-            )
+            before = counts[-1]
+            if reducer is None:
+                counts.append(before)
+                continue
+            after = count_after(cast(BudgetedReducer, reducer), before, grid)
+            grid = grid_after(reducer, grid, before, after)
+            counts.append(after)
         return entry_count(n, first=counts[1], last=counts[-1])
 
     @property
@@ -106,6 +117,24 @@ class TokenPooling(nn.Module):
     @sizes.setter
     def sizes(self, value: Tensor | None) -> None:
         self._carried["sizes"] = value
+
+    @property
+    def embedded_grid(self) -> Grid | None:
+        """The patch grid the host embedded last (rows, cols), not yet read by the first block."""
+        return self._grids["embedded"]
+
+    @embedded_grid.setter
+    def embedded_grid(self, value: Grid | None) -> None:
+        self._grids["embedded"] = value
+
+    @property
+    def grid(self) -> Grid | None:
+        """The grid the tokens lie on after the latest block (None: not on one, or not known)."""
+        return self._grids["current"]
+
+    @grid.setter
+    def grid(self, value: Grid | None) -> None:
+        self._grids["current"] = value
 
     @property
     def keep(self) -> KeepSchedule | None:

@@ -11,7 +11,7 @@ ask for it).
 from __future__ import annotations
 
 import inspect
-from typing import Literal, Protocol, cast, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -24,6 +24,8 @@ from torch import Tensor
 # budget is tight (``entrymerge``: the patch embeddings are merged once before any
 # attention; see :func:`entry_count`).
 ReducePosition = Literal["attn", "mlp", "input", "entry"]
+# The ``rows x cols`` raster of patch tokens (row-major), for reducers that read it (conv).
+Grid = tuple[int, int]
 REDUCE_POSITIONS: tuple[ReducePosition, ...] = ("attn", "mlp", "input", "entry")
 # Positions where a reducer runs before an attention, so no attention scores exist yet.
 BEFORE_ATTENTION: tuple[ReducePosition, ...] = ("input", "entry")
@@ -102,6 +104,35 @@ def entry_count(n: int, first: int, last: int) -> int:
     return min(n, int(first + fade * (n - first) + 0.5))
 
 
+def halved_grid(h: int, w: int) -> Grid:
+    """The grid a 2x2 stride-2 window leaves of ``h x w`` (odd sides padded, so rounded up)."""
+    return -(-h // 2), -(-w // 2)
+
+
+def reads_grid(reducer: object) -> bool:
+    """Whether ``reducer`` takes the patch tokens' grid (``grid=``): conv's 2x2 windows
+    need the real raster, which the count alone does not tell (2x8 and 4x4 are both 16)."""
+    return bool(getattr(reducer, "reads_grid", False))
+
+
+def count_after(reducer: BudgetedReducer, n: int, grid: Grid | None) -> int:
+    """Tokens ``reducer`` keeps of ``n`` on ``grid`` (a grid reader's count depends on the raster)."""
+    if grid is not None and reads_grid(reducer):
+        return cast(Any, reducer).output_count(n, grid)
+    return reducer.output_count(n)
+
+
+def grid_after(reducer: object, grid: Grid | None, before: int, after: int) -> Grid | None:
+    """The raster of the tokens ``reducer`` left (``before`` -> ``after`` patch tokens), or
+    None when they no longer lie on one: a grid reader's 2x2 windows halve it, any
+    other reduction scatters it, and a reducer that kept every token leaves it as it was."""
+    if after == before or grid is None:
+        return grid
+    if reads_grid(reducer):
+        return halved_grid(*grid)
+    return None
+
+
 def reduce_tokens(
     reducer: TokenReducer,
     x: Tensor,
@@ -109,16 +140,23 @@ def reduce_tokens(
     received: Tensor | None,
     num_prefix: int,
     count: int | None = None,
+    grid: Grid | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Apply ``reducer`` to ``x[:, num_prefix:]`` and keep the prefix tokens untouched.
-    ``count``: the tokens it keeps in place of its own budget (a :class:`BudgetedReducer`)."""
+    ``count``: the tokens it keeps in place of its own budget (a :class:`BudgetedReducer`).
+    ``grid``: the patch tokens' raster, passed on to a reducer that reads it (:func:`reads_grid`)."""
     prefix, tokens = x[:, :num_prefix], x[:, num_prefix:]
     tok_sizes = None if sizes is None else sizes[:, num_prefix:]
     tok_received = None if received is None else received[:, num_prefix:]
-    if count is None:
-        tokens, tok_sizes = reducer(tokens, tok_sizes, tok_received)
+    extra: dict[str, Any] = {}
+    if count is not None:
+        extra["count"] = count
+    if grid is not None and reads_grid(reducer):
+        extra["grid"] = grid
+    if extra:
+        tokens, tok_sizes = cast(BudgetedReducer, reducer)(tokens, tok_sizes, tok_received, **extra)
     else:
-        tokens, tok_sizes = cast(BudgetedReducer, reducer)(tokens, tok_sizes, tok_received, count=count)
+        tokens, tok_sizes = reducer(tokens, tok_sizes, tok_received)
     x = torch.cat([prefix, tokens], dim=1)
     if tok_sizes is None:
         return x, None

@@ -178,6 +178,12 @@ def _check_supported(model: nn.Module) -> None:
             raise _unsupported(f"block {i} attention lacks {', '.join(missing)}")
 
 
+def _conv_projection(patch_embed: nn.Module) -> nn.Module | None:
+    """timm's patch projection when it is a conv (its output shows the image's grid)."""
+    proj = getattr(patch_embed, "proj", None)
+    return proj if isinstance(proj, nn.Conv2d) else None
+
+
 def adapt(model: nn.Module) -> HostAdapter:
     """The host adapter of a timm ``VisionTransformer`` (raises for anything else)."""
     _check_supported(model)
@@ -194,4 +200,5 @@ def adapt(model: nn.Module) -> HostAdapter:
         dim=int(model.embed_dim),
         check_call=_check_call,
         pool_overrides=_pool_overrides(model),
+        patch_projection=_conv_projection(model.patch_embed),
     )

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from leanformer.layers.budgets import Budget, KeepLike, budget_to_count, parse_keep
 from leanformer.layers.checks import as_int
-from leanformer.layers.reducer import REDUCE_POSITION_WORDS, ReducePosition
+from leanformer.layers.reducer import REDUCE_POSITION_WORDS, Grid, ReducePosition, halved_grid
 from leanformer.ops.clustering import (
     InitMode,
     cluster_mean,
@@ -67,6 +67,8 @@ class _Reducer(nn.Module):
     """
 
     needs_received: bool = False
+    # Whether the reducer reads the patch tokens' grid (``grid=``, when the host knows it).
+    reads_grid: bool = False
     # Whether every output token is one input token (a selection): all-ones sizes in, all
     # ones out, so implicit sizes (None) can stay implicit.
     keeps_input_tokens: bool = False
@@ -79,16 +81,22 @@ class _Reducer(nn.Module):
         self.last_assign: Tensor | None = None
 
     def forward(
-        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, count: int | None = None
+        self,
+        tokens: Tensor,
+        sizes: Tensor | None,
+        received: Tensor | None,
+        count: int | None = None,
+        grid: Grid | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """``count``: tokens to keep in place of the budget's (the ``entry`` step's own)."""
+        """``count``: tokens to keep in place of the budget's (the ``entry`` step's own).
+        ``grid``: the ``rows x cols`` raster the tokens lie on, when the host knows it."""
         B, N, _ = tokens.shape
         track = self.carry or sizes is not None
         if track and sizes is None and not self.keeps_input_tokens:
             sizes = tokens.new_ones(B, N)
         if self.needs_received and received is None:
             raise ValueError(f"{type(self).__name__} needs the attention received (significance scores)")
-        k = self.output_count(N) if count is None else min(count, N)
+        k = self.output_count(N, grid) if count is None else min(count, N)
         if k >= N:
             if self.record:
                 self.last_assign = torch.arange(N, device=tokens.device).expand(B, N)
@@ -98,17 +106,18 @@ class _Reducer(nn.Module):
             if self.record:
                 self.last_assign = torch.full((B, N), -1, dtype=torch.long, device=tokens.device)
             return tokens[:, :0], (sizes[:, :0] if sizes is not None else None)
-        out, out_sizes, assign = self._reduce(tokens, sizes, received, k)
+        out, out_sizes, assign = self._reduce(tokens, sizes, received, k, grid)
         if self.record:
             self.last_assign = assign
         return out, (out_sizes if track else None)
 
-    def output_count(self, n: int) -> int:
-        """Tokens this reducer outputs when it receives ``n``: ``min(K, n)`` (or the ratio of ``n``)."""
+    def output_count(self, n: int, grid: Grid | None = None) -> int:
+        """Tokens this reducer outputs when it receives ``n`` (on ``grid``, when known):
+        ``min(K, n)`` (or the ratio of ``n``)."""
         return budget_to_count(self.keep, n)
 
     def _reduce(
-        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int
+        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int, grid: Grid | None
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         raise NotImplementedError
 
@@ -176,7 +185,7 @@ class ClusterPooling(_Seeded, _Reducer):
         self.needs_received = weighted or init == "topk"
 
     def _reduce(
-        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int
+        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int, grid: Grid | None
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         B, N, _ = tokens.shape
         weights = received if self.weighted else sizes
@@ -225,7 +234,7 @@ class TokenSelection(_Seeded, _Reducer):
         self.needs_received = mode != "random"
 
     def _reduce(
-        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int
+        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int, grid: Grid | None
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         B, N, _ = tokens.shape
         if self.mode == "topk":
@@ -260,7 +269,7 @@ class TokenMerging(_Reducer):
         self.round_fraction = round_fraction
 
     def _reduce(
-        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int
+        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int, grid: Grid | None
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         assign = bipartite_merge_plan(tokens, k, sizes=sizes, round_fraction=self.round_fraction)
         w = sizes if sizes is not None else tokens.new_ones(tokens.shape[:2])
@@ -271,17 +280,14 @@ class TokenMerging(_Reducer):
         return f"{super().extra_repr()}, round_fraction={self.round_fraction}"
 
 
-def halved_grid(h: int, w: int) -> tuple[int, int]:
-    """The grid a 2x2 stride-2 window leaves of ``h x w`` (odd sides padded, so rounded up)."""
-    return -(-h // 2), -(-w // 2)
-
-
 class ConvDownsample(_Reducer):
     """Learned 2x2 stride-2 convolution on the token grid, same width (appendix D).
 
-    Tokens must be in raster order on an ``h x w`` grid: the grid given at construction,
-    that grid halved (the entry step ran this layer once before), or, when the count
-    differs (another input resolution), a square grid. A grid with an
+    Tokens must be in raster order on an ``h x w`` grid. A patched host passes the grid it
+    embedded (``grid=``), so any input size is read right. Called without one, the layer
+    reads the count: the grid given at construction, that grid halved (the entry step
+    ran this layer once before), or, when the count differs (another input resolution),
+    a square grid. A grid with an
     odd side is padded by repeating its last row/column (sizes of the padding are 0), so
     the output grid is ``ceil(h/2) x ceil(w/2)``. Tokens that no longer form a grid (after
     a clustering/selection layer) raise a ``ValueError``: conv can only follow conv.
@@ -292,6 +298,7 @@ class ConvDownsample(_Reducer):
     """
 
     needs_received = False
+    reads_grid = True
 
     def __init__(self, *, dim: int, grid_size: tuple[int, int], carry: bool = False) -> None:
         super().__init__(keep=1.0, carry=carry)
@@ -304,7 +311,17 @@ class ConvDownsample(_Reducer):
             assert self.conv.bias is not None  # Conv2d's default bias=True
             self.conv.bias.zero_()
 
-    def grid_for(self, n: int) -> tuple[int, int]:
+    def grid_for(self, n: int, grid: Grid | None = None) -> Grid:
+        """The grid ``n`` tokens lie on: ``grid`` when given (checked against ``n``), else
+        read from the count as the class docstring says."""
+        if grid is not None:
+            h, w = grid
+            if h * w != n:
+                raise ValueError(
+                    f"conv downsampling got {n} tokens on a {h}x{w} grid ({h * w} places): "
+                    "conv can only follow other conv layers"
+                )
+            return h, w
         h, w = built = self.grid_size
         if n == h * w:
             return h, w
@@ -323,27 +340,27 @@ class ConvDownsample(_Reducer):
             "conv can only follow other conv layers"
         )
 
-    def output_count(self, n: int) -> int:
-        h, w = self.grid_for(n)
+    def output_count(self, n: int, grid: Grid | None = None) -> int:
+        h, w = self.grid_for(n, grid)
         return n if n <= 1 else math.prod(halved_grid(h, w))
 
     def _reduce(
-        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int
+        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int, grid: Grid | None
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         B, N, C = tokens.shape
-        if k != self.output_count(N):
+        if k != self.output_count(N, grid):
             # A 2x2 window has one output count per grid; keeping any other (the entry
             # step's fade, a caller's count=) would silently keep this one instead.
             raise ValueError(
-                f"conv downsampling keeps {self.output_count(N)} of {N} tokens (2x2 windows); "
+                f"conv downsampling keeps {self.output_count(N, grid)} of {N} tokens (2x2 windows); "
                 f"it cannot keep {k}: use a clustering, selection or merging method for that budget"
             )
-        h, w = self.grid_for(N)
+        h, w = self.grid_for(N, grid)
         pad = (0, w % 2, 0, h % 2)  # right, bottom
-        grid = tokens.transpose(1, 2).reshape(B, C, h, w)
+        grid_tokens = tokens.transpose(1, 2).reshape(B, C, h, w)
         if any(pad):
-            grid = F.pad(grid, pad, mode="replicate")
-        out = self.conv(grid).flatten(2).transpose(1, 2)
+            grid_tokens = F.pad(grid_tokens, pad, mode="replicate")
+        out = self.conv(grid_tokens).flatten(2).transpose(1, 2)
         out_sizes = None
         if sizes is not None:
             s = F.pad(sizes.reshape(B, 1, h, w), pad)  # padded copies stand for no token

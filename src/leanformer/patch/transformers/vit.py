@@ -237,7 +237,16 @@ def adapt(model: nn.Module) -> HostAdapter:
         dim=int(config.hidden_size),
         check_call=_CallCheck(config),
         pool_overrides=_pool_overrides(base),
+        patch_projection=_conv_projection(base),
     )
+
+
+def _conv_projection(base: nn.Module) -> nn.Module | None:
+    """The conv that embeds the patches (its output shows the image's grid)."""
+    embeddings = getattr(base, "embeddings", None)
+    if not isinstance(embeddings, nn.Module):
+        return None
+    return next((m for m in embeddings.modules() if isinstance(m, nn.Conv2d)), None)
 
 
 def _known_forward(layer_class: str) -> Any:
