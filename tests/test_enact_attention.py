@@ -139,6 +139,19 @@ def test_batched_equals_per_image():
         torch.testing.assert_close(crop(out), alone)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiles_with_one_break_and_matches_eager(dynamic: bool) -> None:
+    """The region count is read on the host (the output size depends on it): a graph
+    break, not an error, and the compiled layer gives the eager output at two map sizes."""
+    m = make(sigma=1.0)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, dynamic=dynamic, backend="aot_eager")
+    for seed, (H, W) in ((6, (4, 5)), (7, (5, 6))):
+        x, pos, mask, shape = padded_inputs(seed=seed, H=H, W=W)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, pos, shape, mask), m(x, pos, shape, mask))
+
+
 def test_gradient_reaches_entropy_projection():
     x, pos, mask, shape = padded_inputs(seed=5)
     m = make(sigma=0.0)
