@@ -20,8 +20,10 @@ from torch import Tensor, nn
 
 import leanformer
 from leanformer.apps.cluster_maps import patch_assignment, trace_token_sources
-from leanformer.layers.host_adapter import pooled_block_forward
+from leanformer.layers.host_adapter import UnsupportedHostError, pooled_block_forward
 from leanformer.layers.timm_host import block_parts
+from leanformer.layers.token_pooling import ConvDownsample, TokenSelection
+from leanformer.patch.timm import apply_reducers
 
 transformers = pytest.importorskip("transformers")
 
@@ -184,6 +186,95 @@ def test_a_block_run_on_tokens_of_its_own_reads_the_count() -> None:
         pooled_block_forward(
             block_parts(model.blocks[0]), x, None, model.token_pooling.reducer(0), 1, "attn", grid=(2, 4)
         )
+
+
+def test_a_refused_call_leaves_no_grid_for_the_next() -> None:
+    """A call the pooled block refuses (a mask) has read the grid all the same."""
+    model = leanformer.apply_token_pooling(_timm_host(), keep=[0.5, 1.0, 1.0], method="conv", carry=True)
+    with pytest.raises(ValueError, match="mask"), torch.no_grad():
+        model(torch.randn(1, 3, *WIDE), attn_mask=torch.zeros(1, 17, 17, dtype=torch.bool))
+    assert model.token_pooling.embedded_grid is None
+
+
+def test_conv_after_a_selection_is_refused_naming_why() -> None:
+    """The tokens a selection keeps came from the grid but lie on none: conv used to read
+    their count (16 tokens as 4x4) and pool tokens that are no neighbours."""
+    host = _timm_host(img_size=32)  # 8x8 patches
+    model = apply_reducers(
+        host, [TokenSelection(keep=16, mode="random"), ConvDownsample(dim=16, grid_size=(8, 8)), None]
+    )
+    with pytest.raises(ValueError, match="from a clustering, selection or merge before it"), torch.no_grad():
+        model(torch.randn(1, 3, 32, 32))
+
+
+def test_models_sharing_a_patch_projection_cannot_both_read_grids_from_it() -> None:
+    first, second = _timm_host(), _timm_host()
+    second.patch_embed = first.patch_embed
+    leanformer.apply_token_pooling(first, keep=[0.5, 1.0, 1.0], method="conv")
+    with pytest.raises(UnsupportedHostError, match="already records image grids for another model"):
+        leanformer.apply_token_pooling(second, keep=[0.5, 1.0, 1.0], method="conv")
+    assert not leanformer.is_patched(second)
+    # Methods that do not read the grid leave the projection alone, so sharing it is fine.
+    leanformer.apply_token_pooling(second, keep=0.5, method="merge")
+    assert second.patch_embed.proj.__dict__["forward"].pooling is first.token_pooling
+
+
+def test_a_forward_installed_on_the_projection_runs_and_comes_back() -> None:
+    """Another library's instance ``forward`` on the projection (device-map hooks) still
+    runs while patched, and is what removal puts back."""
+    model = _timm_host()
+    proj = model.patch_embed.proj
+    calls: list[int] = []
+
+    def hooked(x: Tensor) -> Tensor:
+        calls.append(1)
+        return type(proj).forward(proj, x)
+
+    proj.forward = hooked
+    leanformer.apply_token_pooling(model, keep=[0.5, 1.0, 1.0], method="conv", carry=True)
+    tokens, pooled = _first_conv_io(model, torch.randn(1, 3, *WIDE))
+    assert calls == [1]
+    torch.testing.assert_close(pooled, _pooled_by_hand(tokens, (2, 8)))
+    leanformer.remove_token_pooling(model)
+    assert proj.__dict__["forward"] is hooked
+
+
+def test_a_wrapped_projection_is_read_and_a_host_without_one_refuses_conv() -> None:
+    """A conv inside a wrapper of timm's projection (a low-rank adapter) records the grid;
+    a host taking any image size with no patch conv at all refuses conv instead of
+    reading the count."""
+
+    class Wrapped(nn.Module):
+        def __init__(self, conv: nn.Module) -> None:
+            super().__init__()
+            self.base = conv
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.base(x)
+
+    model = _timm_host()
+    model.patch_embed.proj = Wrapped(model.patch_embed.proj)
+    leanformer.apply_token_pooling(model, keep=[0.5, 1.0, 1.0], method="conv", carry=True)
+    tokens, pooled = _first_conv_io(model, torch.randn(1, 3, *WIDE))
+    torch.testing.assert_close(pooled, _pooled_by_hand(tokens, (2, 8)))
+
+    class Linear(nn.Module):  # patches embedded by a linear layer: no grid to read
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(48, 16)
+
+        def forward(self, x: Tensor) -> Tensor:
+            B, _, H, W = x.shape
+            patches = x.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5)
+            return self.linear(patches.reshape(B, H // 4, W // 4, -1)).permute(0, 3, 1, 2)
+
+    dynamic = _timm_host()
+    dynamic.patch_embed.proj = Linear()
+    with pytest.raises(UnsupportedHostError, match="takes other image sizes"):
+        leanformer.apply_token_pooling(dynamic, keep=[0.5, 1.0, 1.0], method="conv")
+    fixed = _timm_host(dynamic=False)
+    fixed.patch_embed.proj = Linear()
+    leanformer.apply_token_pooling(fixed, keep=[0.5, 1.0, 1.0], method="conv")  # one size: its own grid
 
 
 @pytest.mark.slow

@@ -35,12 +35,13 @@ from leanformer.layers.reducer import (
     TokenReducer,
     compose_assignments,
     grid_after,
+    reads_grid,
     reduce_tokens,
     takes_a_count,
 )
 from leanformer.layers.token_pooling import build_reducers, method_reduce_at
 
-Override = tuple[nn.Module, str, Any]  # set on the instance, deleted to undo
+Override = tuple[nn.Module, str, Any]  # set on the instance; what it replaced is put back to undo
 
 # attention(normed x [B, N, C], sizes [B, N] | None, need_received) -> (out [B, N, C], received [B, N] | None)
 AttentionFn = Callable[[Tensor, Tensor | None, bool], tuple[Tensor, Tensor | None]]
@@ -140,8 +141,11 @@ class HostAdapter:
     pool_overrides: Callable[[TokenPooling], list[Override]] = lambda pooling: []
     # The module that embeds the patches as [B, C, rows, cols] (a conv): its output tells
     # the first block the grid of the image at hand, which the count alone does not (an
-    # 8x32 image and a 16x16 one both give 16 patches of 4x4). None: read from the count.
+    # 8x32 image and a 16x16 one both give 16 patches of 4x4). Recorded only for
+    # reducers that read the grid (conv), which a host without one refuses unless
+    # ``fixed_grid`` (it takes one image size only, so the grid is ``grid_size``).
     patch_projection: nn.Module | None = None
+    fixed_grid: bool = False
 
     def error(self, msg: str) -> UnsupportedHostError:
         return UnsupportedHostError(f"token pooling cannot patch this model ({self.library}): {msg}")
@@ -162,14 +166,14 @@ class _PooledForward:
         self.check_call = adapter.check_call
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        self.check_call(args, kwargs)
         pooling = self.pooling
         if self.index == 0:
-            # Read once: blocks run later on tokens of their own (no image embedded) get
-            # no stale grid, and conv reads their count instead.
+            # Read once, even by a call refused below: blocks run later on tokens of
+            # their own (no image embedded) get no stale grid, and conv reads their count.
             grid, pooling.embedded_grid = pooling.embedded_grid, None
         else:
             grid = pooling.grid
+        self.check_call(args, kwargs)
         if x.shape[0] == 0:
             # An empty batch has nothing to pool (and a clustering no tokens to seed from):
             # the host's own block gives the empty output the unpatched model gives.
@@ -202,14 +206,19 @@ class _PooledForward:
 
 
 class _RecordGrid:
-    """The ``forward`` a patch projection gets: the host's own, recording the grid it made."""
+    """The ``forward`` a patch projection gets: the one it had (an instance ``forward``
+    another library installed, else its class's), recording the grid it made."""
 
     def __init__(self, projection: nn.Module, pooling: TokenPooling) -> None:
         self.projection = projection
         self.pooling = pooling
+        self.previous = projection.__dict__.get("forward")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = type(self.projection).forward(self.projection, *args, **kwargs)
+        if self.previous is not None:
+            out = self.previous(*args, **kwargs)
+        else:
+            out = type(self.projection).forward(self.projection, *args, **kwargs)
         if isinstance(out, Tensor) and out.dim() == 4:
             self.pooling.embedded_grid = (out.shape[-2], out.shape[-1])
         return out
@@ -229,14 +238,35 @@ def check_unpatched(adapter: HostAdapter) -> None:
         )
 
 
+def _check_grid_source(adapter: HostAdapter) -> None:
+    """Refuse reducers that read the grid (conv) where no image's grid can be recorded."""
+    projection = adapter.patch_projection
+    if projection is None and not adapter.fixed_grid:
+        raise adapter.error(
+            "conv reads the patch grid of each image from the conv that embeds the patches, and "
+            "this model takes other image sizes without one to read it from: give it a fixed "
+            "image size, or use a method that does not need the grid"
+        )
+    if projection is not None and isinstance(projection.__dict__.get("forward"), _RecordGrid):
+        # Another patched model shares this projection: one of the two would read the
+        # other's grids.
+        raise adapter.error(
+            "its patch projection already records image grids for another model's conv pooling "
+            "(the two share it): give this model its own patch embedding, or remove the other's pooling"
+        )
+
+
 def patch_host(adapter: HostAdapter, pooling: TokenPooling) -> nn.Module:
     """Install ``pooling`` on the host described by ``adapter``; returns the owner model.
 
     Everything installed is an instance attribute (a block's ``forward``, a pooling
-    function) recorded in ``pooling.overrides``, so removing it is deleting those
-    attributes, and a deep copy of a patched model carries its own record.
+    function) recorded in ``pooling.overrides`` with what it replaced, so removing it
+    puts that back, and a deep copy of a patched model carries its own record.
     """
     check_unpatched(adapter)
+    reads_grids = any(reads_grid(r) for r in pooling.reducers.values())
+    if reads_grids:
+        _check_grid_source(adapter)
     owner = adapter.owner
     ref = next((p for p in owner.parameters() if p.is_floating_point()), None)
     if ref is not None:
@@ -250,23 +280,27 @@ def patch_host(adapter: HostAdapter, pooling: TokenPooling) -> nn.Module:
     ]
     overrides += adapter.pool_overrides(pooling)
     projection = adapter.patch_projection
-    if projection is not None:
+    if projection is not None and reads_grids:
         overrides.append((projection, "forward", _RecordGrid(projection, pooling)))
+    pooling.overrides = [(module, name, module.__dict__.get(name)) for module, name, _ in overrides]
     for module, name, value in overrides:
         module.__dict__[name] = value
-    pooling.overrides = [(module, name) for module, name, _ in overrides]
     owner.token_pooling = pooling
     return owner
 
 
 def unpatch_host(adapter: HostAdapter) -> nn.Module:
-    """Undo :func:`patch_host`: the host's own class methods apply again."""
+    """Undo :func:`patch_host`: what each overridden attribute was applies again (the
+    host's class methods, or an instance attribute another library had set)."""
     owner = adapter.owner
     pooling = getattr(owner, "token_pooling", None)
     if not isinstance(pooling, TokenPooling):
         raise ValueError(f"this model has no token pooling to remove ({adapter.library})")
-    for module, name in pooling.overrides:
-        module.__dict__.pop(name, None)
+    for module, name, previous in pooling.overrides:
+        if previous is None:
+            module.__dict__.pop(name, None)
+        else:
+            module.__dict__[name] = previous
     del owner.token_pooling
     return owner
 

@@ -77,7 +77,8 @@ class TokenPooling(nn.Module):
         # embeds it and read by the first block; then the grid the tokens lie on after
         # each block, for reducers that read it (conv). Dict entries, as for the sizes.
         self._grids: dict[str, Grid | None] = {"embedded": None, "current": None}
-        self.overrides: list[tuple[nn.Module, str]] = []
+        # (module, attribute, what it was before: None when the class's applied)
+        self.overrides: list[tuple[nn.Module, str, Any]] = []
         # Follows the model's device, so reducers rebuilt for a new budget land there too.
         self.register_buffer("_device_anchor", torch.empty(0), persistent=False)
 

@@ -26,6 +26,9 @@ from torch import Tensor
 ReducePosition = Literal["attn", "mlp", "input", "entry"]
 # The ``rows x cols`` raster of patch tokens (row-major), for reducers that read it (conv).
 Grid = tuple[int, int]
+# The tokens came from a grid, but a reduction that does not keep rasters (a clustering,
+# a selection, a merge) left them off it.
+OFF_GRID: Grid = (0, 0)
 REDUCE_POSITIONS: tuple[ReducePosition, ...] = ("attn", "mlp", "input", "entry")
 # Positions where a reducer runs before an attention, so no attention scores exist yet.
 BEFORE_ATTENTION: tuple[ReducePosition, ...] = ("input", "entry")
@@ -123,14 +126,15 @@ def count_after(reducer: BudgetedReducer, n: int, grid: Grid | None) -> int:
 
 
 def grid_after(reducer: object, grid: Grid | None, before: int, after: int) -> Grid | None:
-    """The raster of the tokens ``reducer`` left (``before`` -> ``after`` patch tokens), or
-    None when they no longer lie on one: a grid reader's 2x2 windows halve it, any
-    other reduction scatters it, and a reducer that kept every token leaves it as it was."""
+    """The raster of the tokens ``reducer`` left (``before`` -> ``after`` patch tokens): a
+    grid reader's 2x2 windows halve it, any other reduction leaves the tokens
+    :data:`OFF_GRID`, and a reducer that kept every token leaves it as it was (None, not
+    known, stays None)."""
     if after == before or grid is None:
         return grid
-    if reads_grid(reducer):
+    if reads_grid(reducer) and grid != OFF_GRID:
         return halved_grid(*grid)
-    return None
+    return OFF_GRID
 
 
 def reduce_tokens(

@@ -179,9 +179,21 @@ def _check_supported(model: nn.Module) -> None:
 
 
 def _conv_projection(patch_embed: nn.Module) -> nn.Module | None:
-    """timm's patch projection when it is a conv (its output shows the image's grid)."""
+    """The conv of timm's patch projection (its output shows the image's grid): ``proj``
+    itself, or the one conv inside a wrapper of it (a low-rank adapter). None for
+    anything else, e.g. a hybrid embedding's backbone, whose first conv is no patch grid."""
     proj = getattr(patch_embed, "proj", None)
-    return proj if isinstance(proj, nn.Conv2d) else None
+    if isinstance(proj, nn.Conv2d) or not isinstance(proj, nn.Module):
+        return proj if isinstance(proj, nn.Conv2d) else None
+    convs = [m for m in proj.modules() if isinstance(m, nn.Conv2d)]
+    return convs[0] if len(convs) == 1 else None
+
+
+def _takes_one_image_size(patch_embed: nn.Module) -> bool:
+    """Whether the patch embedding refuses every image size but its own."""
+    return bool(getattr(patch_embed, "strict_img_size", False)) and not getattr(
+        patch_embed, "dynamic_img_size", False
+    )
 
 
 def adapt(model: nn.Module) -> HostAdapter:
@@ -201,4 +213,5 @@ def adapt(model: nn.Module) -> HostAdapter:
         check_call=_check_call,
         pool_overrides=_pool_overrides(model),
         patch_projection=_conv_projection(model.patch_embed),
+        fixed_grid=_takes_one_image_size(model.patch_embed),
     )

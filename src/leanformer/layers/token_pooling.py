@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from leanformer.layers.budgets import Budget, KeepLike, budget_to_count, parse_keep
 from leanformer.layers.checks import as_int
-from leanformer.layers.reducer import REDUCE_POSITION_WORDS, Grid, ReducePosition, halved_grid
+from leanformer.layers.reducer import OFF_GRID, REDUCE_POSITION_WORDS, Grid, ReducePosition, halved_grid
 from leanformer.ops.clustering import (
     InitMode,
     cluster_mean,
@@ -314,6 +314,11 @@ class ConvDownsample(_Reducer):
     def grid_for(self, n: int, grid: Grid | None = None) -> Grid:
         """The grid ``n`` tokens lie on: ``grid`` when given (checked against ``n``), else
         read from the count as the class docstring says."""
+        if grid == OFF_GRID:
+            raise ValueError(
+                f"conv downsampling needs the tokens on their grid: the {n} tokens it got come "
+                "from a clustering, selection or merge before it; conv can only follow other conv layers"
+            )
         if grid is not None:
             h, w = grid
             if h * w != n:

@@ -246,7 +246,8 @@ def _conv_projection(base: nn.Module) -> nn.Module | None:
     embeddings = getattr(base, "embeddings", None)
     if not isinstance(embeddings, nn.Module):
         return None
-    return next((m for m in embeddings.modules() if isinstance(m, nn.Conv2d)), None)
+    convs = [m for m in embeddings.modules() if isinstance(m, nn.Conv2d)]
+    return convs[0] if len(convs) == 1 else None
 
 
 def _known_forward(layer_class: str) -> Any:
