@@ -10,6 +10,7 @@ pooling), and a host built for 8x32 holding the same weights.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import timm
@@ -65,22 +66,26 @@ def _run(model: nn.Module, x: Tensor) -> Tensor:
     return model(x)
 
 
-def _first_conv_io(model: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
-    """The tokens the first conv layer received and gave, on one forward of ``x``."""
+def _conv_io(model: nn.Module, block: int, run: Callable[[], object]) -> tuple[Tensor, Tensor]:
+    """The tokens the conv layer of ``block`` received and gave (its first call) in ``run()``."""
     seen: dict[str, Tensor] = {}
 
     def spy(module: nn.Module, args: tuple[Tensor, ...], kwargs: dict, out: tuple[Tensor, Tensor]) -> None:
         seen.setdefault("in", args[0])
         seen.setdefault("out", out[0])
 
-    reducer = model.token_pooling.reducer(0)
-    handle = reducer.register_forward_hook(spy, with_kwargs=True)
+    handle = model.token_pooling.reducer(block).register_forward_hook(spy, with_kwargs=True)
     try:
         with torch.no_grad():
-            _run(model, x)
+            run()
     finally:
         handle.remove()
     return seen["in"], seen["out"]
+
+
+def _first_conv_io(model: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    """The tokens the first block's conv layer received and gave, on one forward of ``x``."""
+    return _conv_io(model, 0, lambda: _run(model, x))
 
 
 def _pooled_by_hand(tokens: Tensor, grid: tuple[int, int]) -> Tensor:
@@ -99,7 +104,7 @@ def test_conv_pools_the_grid_of_a_non_square_image(host: str) -> None:
     assert tokens.shape[1] == 16
     torch.testing.assert_close(pooled, _pooled_by_hand(tokens, (2, 8)))
     # Read once: nothing stale is left for blocks run later on tokens of their own.
-    assert model.token_pooling.embedded_grid is None and model.token_pooling.grid == (1, 4)
+    assert model.token_pooling.embedded_grid is None
 
 
 def test_a_dynamic_host_agrees_with_one_built_for_the_image() -> None:
@@ -168,9 +173,11 @@ def test_the_cluster_trace_follows_the_recorded_grid() -> None:
 def test_a_copy_records_into_its_own_pooling_and_removal_restores_the_projection() -> None:
     model = leanformer.apply_token_pooling(_timm_host(), keep=[0.5, 1.0, 1.0], method="conv", carry=True)
     copied = copy.deepcopy(model)
+    tokens, pooled = _first_conv_io(copied, torch.randn(1, 3, *WIDE))
+    torch.testing.assert_close(pooled, _pooled_by_hand(tokens, (2, 8)))
     with torch.no_grad():
-        copied(torch.randn(1, 3, *WIDE))
-    assert copied.token_pooling.grid == (1, 4) and model.token_pooling.grid is None
+        copied.patch_embed(torch.randn(1, 3, *WIDE))
+    assert copied.token_pooling.embedded_grid == (2, 8) and model.token_pooling.embedded_grid is None
     leanformer.remove_token_pooling(model)
     assert "forward" not in model.patch_embed.proj.__dict__
 
@@ -181,11 +188,21 @@ def test_a_block_run_on_tokens_of_its_own_reads_the_count() -> None:
     x = torch.randn(2, 17, 16)
     with torch.no_grad():
         out = model.blocks[0](x)
-    assert out.shape == (2, 1 + 4, 16) and model.token_pooling.grid is None
+    assert out.shape == (2, 1 + 4, 16)
     with pytest.raises(ValueError, match=r"got 16 tokens on a 2x4 grid"):
         pooled_block_forward(
             block_parts(model.blocks[0]), x, None, model.token_pooling.reducer(0), 1, "attn", grid=(2, 4)
         )
+
+
+def test_a_later_block_run_on_its_own_gets_no_grid_of_the_last_image() -> None:
+    """A conv in block 1 called on the model's own 4x4 tokens after a forward of a 2x8
+    image: the last block handed no grid on, so the layer reads the count, 4x4."""
+    model = leanformer.apply_token_pooling(_timm_host(), keep=None, method="conv", layers=[1])
+    with torch.no_grad():
+        model(torch.randn(1, 3, *WIDE))
+    tokens, pooled = _conv_io(model, 1, lambda: model.blocks[1](torch.randn(1, 17, 16)))
+    torch.testing.assert_close(pooled, _pooled_by_hand(tokens, (4, 4)))
 
 
 def test_a_refused_call_leaves_no_grid_for_the_next() -> None:

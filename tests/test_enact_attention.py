@@ -140,9 +140,9 @@ def test_batched_equals_per_image():
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_compiles_with_one_break_and_matches_eager(dynamic: bool) -> None:
-    """The region count is read on the host (the output size depends on it): a graph
-    break, not an error, and the compiled layer gives the eager output at two map sizes."""
+def test_compiles_with_graph_breaks_and_matches_eager(dynamic: bool) -> None:
+    """The region count is read on the host (the output size depends on it): graph
+    breaks, not an error, and the compiled layer gives the eager output at two map sizes."""
     m = make(sigma=1.0)
     torch._dynamo.reset()
     compiled = torch.compile(m, dynamic=dynamic, backend="aot_eager")

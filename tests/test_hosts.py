@@ -214,6 +214,25 @@ def test_an_empty_batch_gives_the_hosts_empty_output(method: str, training: bool
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 7)  # and the next batch pools
 
 
+@pytest.mark.parametrize("host", ["timm_cls", "hf_vit"])
+def test_a_later_block_run_on_its_own_starts_from_nothing_of_the_last_forward(
+    host: str, images: Tensor
+) -> None:
+    """Block 1 called on tokens of its own after a whole forward: the last block handed
+    no sizes on, so it runs as on a model that never ran (before, it took the last
+    forward's sizes, which fail or, at a matching count, weigh the wrong tokens)."""
+    build, prefix = HOSTS[host]
+    ran, fresh = build(), build()
+    for model in (ran, fresh):
+        leanformer.apply_token_pooling(model, keep=0.5, method="merge", carry=True)
+    with torch.no_grad():
+        run(ran, images)
+        tokens = torch.randn(2, prefix + 8, 32 if _is_hf(ran) else 48)
+        blocks = (lambda m: m.vit.layers) if _is_hf(ran) else (lambda m: m.blocks)
+        out, expected = blocks(ran)[1](tokens), blocks(fresh)[1](tokens)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("carry", ["no", 1, None])
 def test_carry_must_be_a_yes_or_no(carry: object) -> None:
     """A word would be truthy: sizes tracked although the caller said no."""

@@ -179,6 +179,28 @@ def test_remove_restores_model() -> None:
     apply_reducers(model, [None, None, None])  # can be patched again
 
 
+def test_a_model_pickled_before_grids_were_tracked_still_runs_and_unpatches() -> None:
+    """A whole patched model saved with ``torch.save`` by the previous version held no grid
+    state and recorded its overrides as (module, attribute) pairs."""
+    import io
+
+    model = apply_token_pooling(_vit(), keep=0.5, method="merge")
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(x)
+    pooling = model.token_pooling
+    del pooling.__dict__["_grids"], pooling._carried["handed"]
+    pooling.overrides = [(module, name) for module, name, _ in pooling.overrides]
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), expected, rtol=0, atol=0)
+    remove_token_pooling(loaded)
+    assert all("forward" not in b.__dict__ for b in loaded.blocks)
+
+
 def test_refuses_second_patch_and_unsupported_models() -> None:
     version = timm.__version__
     model = apply_reducers(MODELS["vit"](), [None] * 3)

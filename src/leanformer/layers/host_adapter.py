@@ -16,7 +16,7 @@ One :class:`HostAdapter` per host family (``leanformer.patch.timm``,
 ``leanformer.patch.transformers``) answers those; :func:`patch_host` then installs one
 reducer per block by overriding each block's ``forward`` on the instance. The blocks,
 their classes and the state-dict keys stay the host's own, and
-:func:`unpatch_host` deletes the overrides.
+:func:`unpatch_host` puts back what each override replaced.
 """
 
 from __future__ import annotations
@@ -154,8 +154,10 @@ class HostAdapter:
 class _PooledForward:
     """The ``forward`` a patched block gets: the generic pooled block over the host's parts.
 
-    Sizes pass from block to block through ``pooling.sizes`` (the host's own loop over its
-    blocks only hands on the hidden states); the first block starts without sizes.
+    Sizes and the grid pass from block to block through ``pooling`` (the host's own loop
+    over its blocks only hands on the hidden states): :meth:`TokenPooling.receive` and
+    :meth:`TokenPooling.hand_on`. The first block starts without sizes, on the grid the
+    patch projection recorded.
     """
 
     def __init__(self, block: nn.Module, index: int, pooling: TokenPooling, adapter: HostAdapter) -> None:
@@ -167,19 +169,13 @@ class _PooledForward:
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         pooling = self.pooling
-        if self.index == 0:
-            # Read once, even by a call refused below: blocks run later on tokens of
-            # their own (no image embedded) get no stale grid, and conv reads their count.
-            grid, pooling.embedded_grid = pooling.embedded_grid, None
-        else:
-            grid = pooling.grid
+        sizes, grid = pooling.receive(self.index)  # read once, even by a call refused below
         self.check_call(args, kwargs)
         if x.shape[0] == 0:
             # An empty batch has nothing to pool (and a clustering no tokens to seed from):
             # the host's own block gives the empty output the unpatched model gives.
-            pooling.sizes = pooling.grid = None
+            pooling.hand_on(self.index, None, None)
             return type(self.block).forward(self.block, x, *args, **kwargs)
-        sizes = None if self.index == 0 else pooling.sizes
         reducer, reduce_at = pooling.reducer(self.index), pooling.reduce_at
         entry_assign = None
         if reduce_at == "entry":
@@ -200,8 +196,7 @@ class _PooledForward:
         if entry_assign is not None:
             # The first block's reducer ran twice; its record maps each patch through both.
             reducer.last_assign = compose_assignments(entry_assign, reducer.last_assign)  # type: ignore[union-attr]
-        pooling.sizes = sizes
-        pooling.grid = grid_after(reducer, grid, before, x.shape[1])
+        pooling.hand_on(self.index, sizes, grid_after(reducer, grid, before, x.shape[1]))
         return x
 
 

@@ -72,15 +72,24 @@ class TokenPooling(nn.Module):
         # The sizes live in a dict entry, not an attribute: torch.compile (2.14) loses an
         # attribute stored before a later torch.cond, which the clusterings use compiled
         # (benchmarks/repro_dynamo_cond_attribute.py).
-        self._carried: dict[str, Tensor | None] = {"sizes": None}
+        # "handed": the sizes one block hands to the next, read once.
+        self._carried: dict[str, Tensor | None] = {"sizes": None, "handed": None}
         # The patch grid of the latest embedded image (rows, cols), recorded where the host
-        # embeds it and read by the first block; then the grid the tokens lie on after
-        # each block, for reducers that read it (conv). Dict entries, as for the sizes.
-        self._grids: dict[str, Grid | None] = {"embedded": None, "current": None}
+        # embeds it and read by the first block; then the grid one block hands to the
+        # next, for reducers that read it (conv). Dict entries, as for the sizes.
+        self._grids: dict[str, Grid | None] = {"embedded": None, "handed": None}
         # (module, attribute, what it was before: None when the class's applied)
         self.overrides: list[tuple[nn.Module, str, Any]] = []
         # Follows the model's device, so reducers rebuilt for a new budget land there too.
         self.register_buffer("_device_anchor", torch.empty(0), persistent=False)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Models pickled before the grids were tracked: no grid state, and overrides
+        # recorded without what they replaced (nothing but the class's then).
+        super().__setstate__(state)
+        self.__dict__.setdefault("_grids", {"embedded": None, "handed": None})
+        self._carried.setdefault("handed", None)
+        self.overrides = [o if len(o) == 3 else (o[0], o[1], None) for o in self.overrides]
 
     @staticmethod
     def _as_module_dict(reducers: Sequence[nn.Module | None]) -> nn.ModuleDict:
@@ -128,14 +137,24 @@ class TokenPooling(nn.Module):
     def embedded_grid(self, value: Grid | None) -> None:
         self._grids["embedded"] = value
 
-    @property
-    def grid(self) -> Grid | None:
-        """The grid the tokens lie on after the latest block (None: not on one, or not known)."""
-        return self._grids["current"]
+    def receive(self, index: int) -> tuple[Tensor | None, Grid | None]:
+        """The sizes and grid block ``index`` starts from. Each is read once, and the last
+        block hands none on: a block run later on tokens of its own (no image embedded, or
+        after a forward that failed) starts from nothing stale, and conv reads the count."""
+        if index == 0:
+            grid, self._grids["embedded"] = self._grids["embedded"], None
+            self._carried["handed"] = self._grids["handed"] = None
+            return None, grid
+        sizes, self._carried["handed"] = self._carried["handed"], None
+        grid, self._grids["handed"] = self._grids["handed"], None
+        return sizes, grid
 
-    @grid.setter
-    def grid(self, value: Grid | None) -> None:
-        self._grids["current"] = value
+    def hand_on(self, index: int, sizes: Tensor | None, grid: Grid | None) -> None:
+        """What block ``index`` leaves: ``sizes`` (kept as :attr:`sizes` for the final pool)
+        and, unless it is the last block, both for the next block."""
+        self.sizes = sizes
+        if index + 1 < self.depth:
+            self._carried["handed"], self._grids["handed"] = sizes, grid
 
     @property
     def keep(self) -> KeepSchedule | None:
