@@ -26,7 +26,7 @@ from torch import nn
 
 from leanformer.layers.token_pooling import build_reducers, list_methods
 from leanformer.models.registry import create_model
-from leanformer.patch.timm import apply_reducers
+from leanformer.patch.timm import apply_reducers, apply_token_pooling
 
 CLUSTERING = ("kmeans", "kmedoids", "wkmeans", "wkmedoids")
 # conv halves the 8x8 grid to 4x4; every other method then removes one or two tokens.
@@ -121,6 +121,36 @@ def test_reducers_compile_fullgraph_and_match_eager_through_the_timm_patch(cpu_p
     )
     apply_reducers(model, _reducers(methods, 64, 48, (8, 8)))
     _compare(_peaked(model), torch.randn(3, 3, 64, 64))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["kmeans", "wkmedoids"])
+def test_dynamic_shapes_compile_fullgraph_and_a_new_budget_recompiles(method: str, cpu_plans: str) -> None:
+    """``dynamic=True`` (batch and image sizes symbolic): the keep ratio was read as a
+    symbolic float, whose token count could not enter the clusterings' loops. A budget
+    changed on a reducer afterwards must recompile, not reuse the old count."""
+    model = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        depth=3,
+        img_size=16,
+        patch_size=4,
+        embed_dim=16,
+        num_heads=2,
+        num_classes=3,
+        dynamic_img_size=True,
+    )
+    model = apply_token_pooling(_peaked(model), keep=0.5, method=method)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
+    with torch.no_grad():
+        for batch, size in ((2, (16, 16)), (3, (8, 32)), (1, (12, 20))):
+            x = torch.randn(batch, 3, *size)
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=1e-5)
+        model.token_pooling.reducer(1).keep = 0.25
+        x = torch.randn(2, 3, 16, 16)
+        torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=1e-5)
+        assert model.token_pooling.sizes.shape[1] == 1 + 1  # 16 -> 8 -> 2 -> 1
 
 
 @pytest.mark.slow

@@ -80,6 +80,26 @@ class _Reducer(nn.Module):
         self.record = False
         self.last_assign: Tensor | None = None
 
+    @property
+    def keep(self) -> Budget:
+        """This block's budget: a token count (int) or a keep ratio (float)."""
+        return self._budget
+
+    @keep.setter
+    def keep(self, value: Budget) -> None:
+        self._budget = value
+        # torch.compile(dynamic=True) reads a float attribute as a symbolic float, and a
+        # count derived from one cannot enter the clusterings' torch.cond loops; a string
+        # is a constant it guards on, so the ratio is read back from its text.
+        self._ratio_text = repr(value) if isinstance(value, float) else None
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Reducers pickled when the budget was a plain attribute.
+        budget = state.pop("keep", None)
+        super().__setstate__(state)
+        if budget is not None:
+            self.keep = budget
+
     def forward(
         self,
         tokens: Tensor,
@@ -114,7 +134,8 @@ class _Reducer(nn.Module):
     def output_count(self, n: int, grid: Grid | None = None) -> int:
         """Tokens this reducer outputs when it receives ``n`` (on ``grid``, when known):
         ``min(K, n)`` (or the ratio of ``n``)."""
-        return budget_to_count(self.keep, n)
+        ratio_text = self._ratio_text
+        return budget_to_count(self.keep if ratio_text is None else float(ratio_text), n)
 
     def _reduce(
         self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int, grid: Grid | None
