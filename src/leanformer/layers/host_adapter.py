@@ -200,6 +200,16 @@ class _PooledForward:
         return x
 
 
+def single_conv(module: object) -> nn.Module | None:
+    """The one ``nn.Conv2d`` in ``module`` (itself, or inside it: a wrapper such as a
+    low-rank adapter), or None when there is none or more than one: several convs (a
+    hybrid backbone) do not say which one's output is the patch grid."""
+    if not isinstance(module, nn.Module):
+        return None
+    convs = [m for m in module.modules() if isinstance(m, nn.Conv2d)]
+    return convs[0] if len(convs) == 1 else None
+
+
 class _RecordGrid:
     """The ``forward`` a patch projection gets: the one it had (an instance ``forward``
     another library installed, else its class's), recording the grid it made."""

@@ -31,6 +31,7 @@ from leanformer.layers.host_adapter import (
     Override,
     UnsupportedHostError,
     nothing_to_pool,
+    single_conv,
 )
 from leanformer.layers.pooling_state import TokenPooling
 from leanformer.ops.attention import attention, size_bias
@@ -178,17 +179,6 @@ def _check_supported(model: nn.Module) -> None:
             raise _unsupported(f"block {i} attention lacks {', '.join(missing)}")
 
 
-def _conv_projection(patch_embed: nn.Module) -> nn.Module | None:
-    """The conv of timm's patch projection (its output shows the image's grid): ``proj``
-    itself, or the one conv inside a wrapper of it (a low-rank adapter). None for
-    anything else, e.g. a hybrid embedding's backbone, whose first conv is no patch grid."""
-    proj = getattr(patch_embed, "proj", None)
-    if isinstance(proj, nn.Conv2d) or not isinstance(proj, nn.Module):
-        return proj if isinstance(proj, nn.Conv2d) else None
-    convs = [m for m in proj.modules() if isinstance(m, nn.Conv2d)]
-    return convs[0] if len(convs) == 1 else None
-
-
 def _takes_one_image_size(patch_embed: nn.Module) -> bool:
     """Whether the patch embedding refuses every image size but its own."""
     return bool(getattr(patch_embed, "strict_img_size", False)) and not getattr(
@@ -212,6 +202,8 @@ def adapt(model: nn.Module) -> HostAdapter:
         dim=int(model.embed_dim),
         check_call=_check_call,
         pool_overrides=_pool_overrides(model),
-        patch_projection=_conv_projection(model.patch_embed),
+        # timm's projection: its conv, or the one conv of a wrapper of it (not a hybrid
+        # embedding's backbone, whose first conv is no patch grid).
+        patch_projection=single_conv(getattr(model.patch_embed, "proj", None)),
         fixed_grid=_takes_one_image_size(model.patch_embed),
     )

@@ -29,6 +29,7 @@ from leanformer.layers.host_adapter import (
     Override,
     UnsupportedHostError,
     nothing_to_pool,
+    single_conv,
 )
 from leanformer.layers.pooling_state import TokenPooling
 from leanformer.ops.attention import attention
@@ -237,17 +238,8 @@ def adapt(model: nn.Module) -> HostAdapter:
         dim=int(config.hidden_size),
         check_call=_CallCheck(config),
         pool_overrides=_pool_overrides(base),
-        patch_projection=_conv_projection(base),
+        patch_projection=single_conv(getattr(base, "embeddings", None)),  # the patch conv
     )
-
-
-def _conv_projection(base: nn.Module) -> nn.Module | None:
-    """The conv that embeds the patches (its output shows the image's grid)."""
-    embeddings = getattr(base, "embeddings", None)
-    if not isinstance(embeddings, nn.Module):
-        return None
-    convs = [m for m in embeddings.modules() if isinstance(m, nn.Conv2d)]
-    return convs[0] if len(convs) == 1 else None
 
 
 def _known_forward(layer_class: str) -> Any:
