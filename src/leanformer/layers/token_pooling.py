@@ -374,14 +374,15 @@ class ConvDownsample(_Reducer):
         self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int, grid: Grid | None
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         B, N, C = tokens.shape
-        if k != self.output_count(N, grid):
+        h, w = self.grid_for(N, grid)
+        h2, w2 = halved_grid(h, w)
+        if k != h2 * w2:  # output_count (N > k >= 1 here, so N > 1)
             # A 2x2 window has one output count per grid; keeping any other (the entry
             # step's fade, a caller's count=) would silently keep this one instead.
             raise ValueError(
-                f"conv downsampling keeps {self.output_count(N, grid)} of {N} tokens (2x2 windows); "
+                f"conv downsampling keeps {h2 * w2} of {N} tokens (2x2 windows); "
                 f"it cannot keep {k}: use a clustering, selection or merging method for that budget"
             )
-        h, w = self.grid_for(N, grid)
         pad = (0, w % 2, 0, h % 2)  # right, bottom
         grid_tokens = tokens.transpose(1, 2).reshape(B, C, h, w)
         if any(pad):
@@ -391,7 +392,6 @@ class ConvDownsample(_Reducer):
         if sizes is not None:
             s = F.pad(sizes.reshape(B, 1, h, w), pad)  # padded copies stand for no token
             out_sizes = F.avg_pool2d(s, 2).flatten(1) * 4.0
-        w2 = halved_grid(h, w)[1]
         rows = torch.arange(h, device=tokens.device) // 2
         cols = torch.arange(w, device=tokens.device) // 2
         assign = (rows[:, None] * w2 + cols[None, :]).flatten().expand(B, N)
