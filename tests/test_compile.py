@@ -27,6 +27,7 @@ from torch import nn
 from leanformer.layers.token_pooling import build_reducers, list_methods
 from leanformer.models.registry import create_model
 from leanformer.patch.timm import apply_reducers, apply_token_pooling
+from tiny_vit import tiny_vit
 
 CLUSTERING = ("kmeans", "kmedoids", "wkmeans", "wkmedoids")
 # conv halves the 8x8 grid to 4x4; every other method then removes one or two tokens.
@@ -129,18 +130,7 @@ def test_dynamic_shapes_compile_fullgraph_and_a_new_budget_recompiles(method: st
     """``dynamic=True`` (batch and image sizes symbolic): the keep ratio was read as a
     symbolic float, whose token count could not enter the clusterings' loops. A budget
     changed on a reducer afterwards must recompile, not reuse the old count."""
-    model = timm.create_model(
-        "vit_tiny_patch16_224",
-        pretrained=False,
-        depth=3,
-        img_size=16,
-        patch_size=4,
-        embed_dim=16,
-        num_heads=2,
-        num_classes=3,
-        dynamic_img_size=True,
-    )
-    model = apply_token_pooling(_peaked(model), keep=0.5, method=method)
+    model = apply_token_pooling(_peaked(tiny_vit()), keep=0.5, method=method)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
     with torch.no_grad():

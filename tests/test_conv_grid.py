@@ -13,7 +13,6 @@ import copy
 from collections.abc import Callable
 
 import pytest
-import timm
 import torch
 import torch.nn.functional as F
 from timm.layers import resample_abs_pos_embed
@@ -25,25 +24,11 @@ from leanformer.layers.host_adapter import UnsupportedHostError, pooled_block_fo
 from leanformer.layers.timm_host import block_parts
 from leanformer.layers.token_pooling import ConvDownsample, TokenSelection
 from leanformer.patch.timm import apply_reducers
+from tiny_vit import tiny_vit
 
 transformers = pytest.importorskip("transformers")
 
 WIDE = (8, 32)  # 2x8 patches of 4x4: the count of the built 4x4 grid
-
-
-def _timm_host(img_size: int | tuple[int, int] = 16, dynamic: bool = True) -> nn.Module:
-    torch.manual_seed(0)
-    return timm.create_model(
-        "vit_tiny_patch16_224",
-        pretrained=False,
-        depth=3,
-        img_size=img_size,
-        patch_size=4,
-        embed_dim=16,
-        num_heads=2,
-        num_classes=3,
-        dynamic_img_size=dynamic,
-    ).eval()
 
 
 def _hf_host() -> nn.Module:
@@ -98,7 +83,7 @@ def _pooled_by_hand(tokens: Tensor, grid: tuple[int, int]) -> Tensor:
 @pytest.mark.parametrize("host", ["timm", "hf"])
 def test_conv_pools_the_grid_of_a_non_square_image(host: str) -> None:
     model = leanformer.apply_token_pooling(
-        _timm_host() if host == "timm" else _hf_host(), keep=[0.5, 1.0, 1.0], method="conv", carry=True
+        tiny_vit() if host == "timm" else _hf_host(), keep=[0.5, 1.0, 1.0], method="conv", carry=True
     )
     tokens, pooled = _first_conv_io(model, torch.randn(2, 3, *WIDE))
     assert tokens.shape[1] == 16
@@ -110,8 +95,8 @@ def test_conv_pools_the_grid_of_a_non_square_image(host: str) -> None:
 def test_a_dynamic_host_agrees_with_one_built_for_the_image() -> None:
     """The same weights, the position embeddings resampled as the dynamic host resamples
     them: the host built for 8x32 reads its own grid, the dynamic one the recorded grid."""
-    dynamic = _timm_host()
-    built = _timm_host(img_size=WIDE, dynamic=False)
+    dynamic = tiny_vit()
+    built = tiny_vit(img_size=WIDE, dynamic=False)
     state = dynamic.state_dict()
     state["pos_embed"] = resample_abs_pos_embed(
         state["pos_embed"], new_size=[2, 8], old_size=[4, 4], num_prefix_tokens=1
@@ -130,7 +115,7 @@ def test_a_dynamic_host_agrees_with_one_built_for_the_image() -> None:
 def test_a_grid_whose_count_is_no_square_is_read_and_not_refused() -> None:
     """12x20 gives a 3x5 grid: once refused (15 tokens are neither 4x4 nor a square), now
     padded and pooled as 3x5 -> 2x3 -> 1x2, each output's size the patches it holds."""
-    model = leanformer.apply_token_pooling(_timm_host(), keep=[0.5, 0.5, 1.0], method="conv", carry=True)
+    model = leanformer.apply_token_pooling(tiny_vit(), keep=[0.5, 0.5, 1.0], method="conv", carry=True)
     x = torch.randn(2, 3, 12, 20)
     tokens, pooled = _first_conv_io(model, x)
     padded = F.pad(tokens.transpose(1, 2).reshape(2, 16, 3, 5), (0, 1, 0, 1), mode="replicate")
@@ -145,7 +130,7 @@ def test_the_entry_step_halves_the_recorded_grid() -> None:
     """Entry step, then the first block's own layer: 2x8 -> 1x4 -> 1x2 (the count alone
     reads 4x4 -> 2x2 -> 1x1)."""
     model = leanformer.apply_token_pooling(
-        _timm_host(), keep=[0.25, 1.0, 1.0], method="conv", reduce_at="entry", carry=True
+        tiny_vit(), keep=[0.25, 1.0, 1.0], method="conv", reduce_at="entry", carry=True
     )
     with torch.no_grad():
         model(torch.randn(2, 3, *WIDE))
@@ -163,7 +148,7 @@ def test_the_entry_step_halves_the_recorded_grid() -> None:
 def test_the_cluster_trace_follows_the_recorded_grid() -> None:
     """`visualize clusters`' trace passes the grid on: patch (r, c) of 2x8 lands in token
     c // 2 (one row of windows), not in the windows of a 4x4 reading."""
-    model = leanformer.apply_token_pooling(_timm_host(), keep=[0.5, 1.0, 1.0], method="conv", carry=True)
+    model = leanformer.apply_token_pooling(tiny_vit(), keep=[0.5, 1.0, 1.0], method="conv", carry=True)
     trace = trace_token_sources(model, torch.randn(2, 3, *WIDE))
     assign = patch_assignment(trace, 0, 16, 2)
     expected = (torch.arange(8) // 2).repeat(2)
@@ -171,7 +156,7 @@ def test_the_cluster_trace_follows_the_recorded_grid() -> None:
 
 
 def test_a_copy_records_into_its_own_pooling_and_removal_restores_the_projection() -> None:
-    model = leanformer.apply_token_pooling(_timm_host(), keep=[0.5, 1.0, 1.0], method="conv", carry=True)
+    model = leanformer.apply_token_pooling(tiny_vit(), keep=[0.5, 1.0, 1.0], method="conv", carry=True)
     copied = copy.deepcopy(model)
     tokens, pooled = _first_conv_io(copied, torch.randn(1, 3, *WIDE))
     torch.testing.assert_close(pooled, _pooled_by_hand(tokens, (2, 8)))
@@ -184,7 +169,7 @@ def test_a_copy_records_into_its_own_pooling_and_removal_restores_the_projection
 
 def test_a_block_run_on_tokens_of_its_own_reads_the_count() -> None:
     """Without a recorded grid (a block called directly) conv reads the count, as before."""
-    model = leanformer.apply_token_pooling(_timm_host(), keep=[0.5, 1.0, 1.0], method="conv", carry=True)
+    model = leanformer.apply_token_pooling(tiny_vit(), keep=[0.5, 1.0, 1.0], method="conv", carry=True)
     x = torch.randn(2, 17, 16)
     with torch.no_grad():
         out = model.blocks[0](x)
@@ -198,7 +183,7 @@ def test_a_block_run_on_tokens_of_its_own_reads_the_count() -> None:
 def test_a_later_block_run_on_its_own_gets_no_grid_of_the_last_image() -> None:
     """A conv in block 1 called on the model's own 4x4 tokens after a forward of a 2x8
     image: the last block handed no grid on, so the layer reads the count, 4x4."""
-    model = leanformer.apply_token_pooling(_timm_host(), keep=None, method="conv", layers=[1])
+    model = leanformer.apply_token_pooling(tiny_vit(), keep=None, method="conv", layers=[1])
     with torch.no_grad():
         model(torch.randn(1, 3, *WIDE))
     tokens, pooled = _conv_io(model, 1, lambda: model.blocks[1](torch.randn(1, 17, 16)))
@@ -207,7 +192,7 @@ def test_a_later_block_run_on_its_own_gets_no_grid_of_the_last_image() -> None:
 
 def test_a_refused_call_leaves_no_grid_for_the_next() -> None:
     """A call the pooled block refuses (a mask) has read the grid all the same."""
-    model = leanformer.apply_token_pooling(_timm_host(), keep=[0.5, 1.0, 1.0], method="conv", carry=True)
+    model = leanformer.apply_token_pooling(tiny_vit(), keep=[0.5, 1.0, 1.0], method="conv", carry=True)
     with pytest.raises(ValueError, match="mask"), torch.no_grad():
         model(torch.randn(1, 3, *WIDE), attn_mask=torch.zeros(1, 17, 17, dtype=torch.bool))
     assert model.token_pooling.embedded_grid is None
@@ -216,7 +201,7 @@ def test_a_refused_call_leaves_no_grid_for_the_next() -> None:
 def test_conv_after_a_selection_is_refused_naming_why() -> None:
     """The tokens a selection keeps came from the grid but lie on none: conv used to read
     their count (16 tokens as 4x4) and pool tokens that are no neighbours."""
-    host = _timm_host(img_size=32)  # 8x8 patches
+    host = tiny_vit(img_size=32)  # 8x8 patches
     model = apply_reducers(
         host, [TokenSelection(keep=16, mode="random"), ConvDownsample(dim=16, grid_size=(8, 8)), None]
     )
@@ -225,7 +210,7 @@ def test_conv_after_a_selection_is_refused_naming_why() -> None:
 
 
 def test_models_sharing_a_patch_projection_cannot_both_read_grids_from_it() -> None:
-    first, second = _timm_host(), _timm_host()
+    first, second = tiny_vit(), tiny_vit()
     second.patch_embed = first.patch_embed
     leanformer.apply_token_pooling(first, keep=[0.5, 1.0, 1.0], method="conv")
     with pytest.raises(UnsupportedHostError, match="already records image grids for another model"):
@@ -239,7 +224,7 @@ def test_models_sharing_a_patch_projection_cannot_both_read_grids_from_it() -> N
 def test_a_forward_installed_on_the_projection_runs_and_comes_back() -> None:
     """Another library's instance ``forward`` on the projection (device-map hooks) still
     runs while patched, and is what removal puts back."""
-    model = _timm_host()
+    model = tiny_vit()
     proj = model.patch_embed.proj
     calls: list[int] = []
 
@@ -269,7 +254,7 @@ def test_a_wrapped_projection_is_read_and_a_host_without_one_refuses_conv() -> N
         def forward(self, x: Tensor) -> Tensor:
             return self.base(x)
 
-    model = _timm_host()
+    model = tiny_vit()
     model.patch_embed.proj = Wrapped(model.patch_embed.proj)
     leanformer.apply_token_pooling(model, keep=[0.5, 1.0, 1.0], method="conv", carry=True)
     tokens, pooled = _first_conv_io(model, torch.randn(1, 3, *WIDE))
@@ -285,11 +270,11 @@ def test_a_wrapped_projection_is_read_and_a_host_without_one_refuses_conv() -> N
             patches = x.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5)
             return self.linear(patches.reshape(B, H // 4, W // 4, -1)).permute(0, 3, 1, 2)
 
-    dynamic = _timm_host()
+    dynamic = tiny_vit()
     dynamic.patch_embed.proj = Linear()
     with pytest.raises(UnsupportedHostError, match="takes other image sizes"):
         leanformer.apply_token_pooling(dynamic, keep=[0.5, 1.0, 1.0], method="conv")
-    fixed = _timm_host(dynamic=False)
+    fixed = tiny_vit(dynamic=False)
     fixed.patch_embed.proj = Linear()
     leanformer.apply_token_pooling(fixed, keep=[0.5, 1.0, 1.0], method="conv")  # one size: its own grid
 
@@ -297,7 +282,7 @@ def test_a_wrapped_projection_is_read_and_a_host_without_one_refuses_conv() -> N
 @pytest.mark.slow
 def test_compiled_conv_matches_eager_at_two_image_sizes() -> None:
     """fullgraph compiles read the recorded grid, and a second image size recompiles."""
-    model = leanformer.apply_token_pooling(_timm_host(), keep=[0.5, 0.5, 1.0], method="conv", carry=True)
+    model = leanformer.apply_token_pooling(tiny_vit(), keep=[0.5, 0.5, 1.0], method="conv", carry=True)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
