@@ -102,3 +102,15 @@ def test_cli_flags(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert "--compile" in capsys.readouterr().out
+
+
+def test_a_layer_that_breaks_the_graph_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    # ENACT sizes its clusters from a host read: dynamo would fail mid-trace with a
+    # data-dependent guard error; the refusal names the layer and the reason instead.
+    from leanformer.layers.enact_attention import EntropyClusteredAttention
+
+    with pytest.raises(ValueError, match="EntropyClusteredAttention cannot be compiled into one graph"):
+        compiled_module.compile_model(nn.Sequential(EntropyClusteredAttention(8, 2)))
+    argv = ["bench", "--model", "detr_encoder_test", "--attention", "enact", "--feature-size", "6x7"]
+    assert main([*argv, "--runs", "1", "--warmup", "0", "--no-memory", "--compile"]) == 2
+    assert "largest region count on the host" in capsys.readouterr().err

@@ -62,6 +62,11 @@ def test_bench_hf_detr_reports_dense_and_enact(capsys, monkeypatch):
     "argv, message",
     [
         (["--hf-model", "detr", "--model", "deit_test"], "does not take --model"),
+        # Flags of the other paths that the DETR comparison would silently not honour.
+        (["--hf-model", "detr", "--compile"], "does not take --compile"),
+        (["--hf-model", "detr", "--pretrained"], "does not take --pretrained"),
+        (["--hf-model", "detr", "--timm-model", "deit_tiny_patch16_224"], "does not take --timm-model"),
+        (["--hf-model", "detr", "--dqs-rule", "kept"], "does not take --dqs-rule"),
         (["--hf-model", "detr", "--attention", "dense"], "--attention enact, not 'dense'"),
         (["--hf-model", "detr", "--opt", "bakbone=resnet18"], "DetrConfig has no field bakbone"),
         (["--hf-model", "vit"], "'vit' is not a transformers model class"),

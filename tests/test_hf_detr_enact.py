@@ -257,3 +257,19 @@ def test_unsupported_models_and_misuse_are_refused(detection):
         model.model.encoder(inputs_embeds=feats)
     with pytest.raises(ValueError, match="spatial shape 3x5 = 15 positions does not match"):
         model.model.encoder(inputs_embeds=feats, enact_spatial_shape=(3, 5))
+
+
+def test_a_whole_forward_leaves_no_shape_for_a_later_direct_encoder_call(detection) -> None:
+    # A forward given encoder_outputs embeds positions (the shape is recorded) but never
+    # runs the encoder (which would use it up); a later direct call of the encoder on
+    # another map of the same token count must not take that shape.
+    from transformers.modeling_outputs import BaseModelOutput
+
+    model = apply_enact(copy.deepcopy(detection))
+    x, mask = images()
+    with torch.no_grad():
+        encoded = model.model(pixel_values=x, pixel_mask=mask).encoder_last_hidden_state
+        reused = BaseModelOutput(last_hidden_state=encoded)
+        model.model(pixel_values=x, pixel_mask=mask, encoder_outputs=reused)
+        with pytest.raises(ValueError, match=r"needs the feature map's \(H, W\)"):
+            model.model.encoder(inputs_embeds=torch.randn(1, 63, 32))  # 9x7, not the 7x9 just embedded

@@ -36,7 +36,19 @@ def _make_room_for_one_more_model() -> None:
 
 def compile_model(model: nn.Module, *, backend: str = "inductor") -> nn.Module:
     """``model`` compiled with ``fullgraph=True`` (the result is an ``nn.Module`` sharing its
-    weights). Any number of models may be compiled in one process (see above)."""
+    weights). Any number of models may be compiled in one process (see above).
+
+    A model holding a layer that declares a ``graph_break`` (a class attribute naming the
+    host read that splits its graph) is refused with that reason, before dynamo fails
+    on it mid-trace with its own message.
+    """
+    for module in model.modules():
+        reason = getattr(type(module), "graph_break", None)
+        if isinstance(reason, str):
+            raise ValueError(
+                f"{type(module).__name__} cannot be compiled into one graph "
+                f"(torch.compile(fullgraph=True)): {reason}; measure it without compiling"
+            )
     _make_room_for_one_more_model()
     return torch.compile(model, fullgraph=True, backend=backend)  # type: ignore[return-value]
 

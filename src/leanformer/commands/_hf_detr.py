@@ -11,16 +11,21 @@ from typing import Any
 
 DEFAULT_IMG_SIZE = (800, 1066)
 _NAMES = ("detr", "detrforobjectdetection")
-# Options of the registry path that mean nothing for the DETR detector.
+# Options of the other bench paths that mean nothing for the DETR detector (its row
+# would not show them, so taking them would report a run other than the one asked for).
 _REGISTRY_ONLY = (
     "model",
+    "pretrained",
     "checkpoint",
+    "timm_model",
     "feature_size",
     "pool",
     "keep",
     "carry",
     "num_queries",
     "dqs_threshold",
+    "dqs_rule",
+    "compile",
 )
 
 

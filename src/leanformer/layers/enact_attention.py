@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -166,6 +166,12 @@ class EntropyClusteredAttention(DenseSelfAttention):
     After each call ``last_cluster_counts [B]`` and ``last_valid_counts [B]`` (detached)
     hold the number of clusters and of valid positions per map.
     """
+
+    # Why ``torch.compile(fullgraph=True)`` cannot hold this layer: read by
+    # :func:`leanformer.bench.compiled.compile_model` to refuse by name, not with dynamo's error.
+    graph_break: ClassVar[str] = (
+        "ENACT reads its largest region count on the host, which sizes its clustered keys and values"
+    )
 
     def __init__(
         self,

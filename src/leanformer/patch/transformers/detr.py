@@ -142,6 +142,11 @@ class _EnactHooks:
         shape = kwargs["shape"] if "shape" in kwargs else args[0]
         self.shape = (int(shape[-2]), int(shape[-1]))
 
+    def forget_shape(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        # After every whole forward, even one that skipped the encoder (encoder_outputs
+        # given) or failed in between: the shape it recorded belongs to that call only.
+        self.shape = None
+
     def pass_to_layers(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if _SHAPE_KW not in kwargs and self.shape is not None:
             kwargs[_SHAPE_KW] = self.shape
@@ -220,6 +225,7 @@ def apply_enact(
     hooks.handles = [
         core.position_embedding.register_forward_pre_hook(hooks.record_shape, with_kwargs=True),
         core.encoder.register_forward_pre_hook(hooks.pass_to_layers, with_kwargs=True),
+        core.register_forward_hook(hooks.forget_shape, with_kwargs=True, always_call=True),
     ]
     for layer, wrapper in zip(layers, wrappers, strict=True):
         layer.self_attn = wrapper
