@@ -73,6 +73,27 @@ def test_signs_of_known_curves():
     assert not s[2].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sigma", [0.0, 1.0, 3.0, 10.0])
+def test_a_flat_area_has_no_concave_positions_once_blurred(sigma: float, dtype: torch.dtype) -> None:
+    # The exact curvature of a uniform area is 0 (the -1 side). Blurred, the filter's
+    # weights do not cancel exactly in floating point, and a strict sign read rounding
+    # noise as +1 at scattered positions (75 of a flat 25x34 map at sigma 3).
+    flat = entropy_from_logits(torch.zeros(2, 25 * 34, dtype=dtype)).view(2, 25, 34)
+    assert not curvature_signs(flat, sigma=sigma).any()
+    if sigma > 3:
+        return  # the filter reaches across the whole 34-column map
+    # A uniform left part beside a varied right part: every position whose filter
+    # reaches only the uniform columns is flat too, whatever lies beyond its reach.
+    gen = torch.Generator().manual_seed(0)
+    mixed = torch.rand(2, 25, 34, generator=gen, dtype=dtype)
+    mixed[:, :, :20] = 0.0123
+    reach = math.ceil(3 * sigma) + 1 if sigma > 0 else 1  # Gaussian radius + the [1, -2, 1]
+    signs = curvature_signs(mixed, sigma=sigma)
+    assert not signs[:, :, : 20 - reach].any()
+    assert signs[:, :, 20 + reach :].any()  # the varied part still has concave positions
+
+
 def test_padded_map_gets_the_signs_of_the_map_alone():
     gen = torch.Generator().manual_seed(0)
     H, W, hv, wv = 8, 9, 5, 7

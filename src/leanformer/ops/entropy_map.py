@@ -9,7 +9,9 @@ Pipeline (shapes for a batch of ``B`` feature maps of ``H x W`` positions, ``N =
    grid, then a second-derivative Sobel filter, then the sign: ``True`` (+1) where the
    entropy is concave along the row (second derivative < 0, a ridge or peak), ``False``
    (-1) where it is convex *or flat*: a zero curvature goes to the -1 side, as in the
-   public code's ``(step > 0) * 2 - 1``.
+   public code's ``(step > 0) * 2 - 1``. "Zero" includes rounding noise: a curvature
+   within a few epsilons of the filter's scale (``FLAT_EPS``), which is what a flat
+   area gives once blurred, so a uniform area stays one region.
 
 Padding follows DETR: every map's valid positions form a top-left rectangle of
 ``hv x wv`` positions (images are padded at the bottom and right). Every filter uses
@@ -163,6 +165,11 @@ def second_derivative_x(x: Tensor, valid: Tensor | None = None) -> Tensor:
     return P @ x @ Q.transpose(1, 2)
 
 
+# A curvature smaller than this many epsilons of its rounding scale is taken as 0
+# (see curvature_signs).
+FLAT_EPS = 8.0
+
+
 def curvature_signs(entropy: Tensor, *, sigma: float, valid: Tensor | None = None) -> Tensor:
     """Entropy map ``[B, H, W]`` -> curvature signs ``[B, H, W]`` (bool: True = +1, concave).
 
@@ -184,4 +191,13 @@ def curvature_signs(entropy: Tensor, *, sigma: float, valid: Tensor | None = Non
         # Blur then Sobel, both with replicate borders at the valid rectangle: one [H, H]
         # and one [W, W] matrix per map, so padded entries are never read.
         P, Q = _filters(e, valid, rows, cols)
-        return (P @ e @ Q.transpose(1, 2)) < 0
+        curvature = P @ e @ Q.transpose(1, 2)
+        # Where the entropy is flat the exact curvature is 0, but the blurred filter's
+        # weights do not cancel exactly in floating point: its sign would be rounding
+        # noise, splitting a uniform area into spurious regions. A curvature within
+        # rounding of zero counts as zero (the -1 side): below FLAT_EPS units of the
+        # dtype's epsilon of the same filter applied to |e| with |weights| (what bounds
+        # the rounding; flat maps measured at most 0.35 units).
+        P_abs, Q_abs = _filters(e, valid, [k.abs() for k in rows], [k.abs() for k in cols])
+        scale = P_abs @ e.abs() @ Q_abs.transpose(1, 2)
+        return curvature < -(FLAT_EPS * torch.finfo(e.dtype).eps) * scale
