@@ -119,20 +119,50 @@ def test_visualize_enact_figures_do_not_overwrite_each_other(
     assert main(argv) == 0
     (row,) = _rows(capsys)
     assert row["out"] == "runs/enact_noise_seed0_s32_sigma3.png" and (tmp_path / row["out"]).is_file()
-    # Other inputs and settings get other files.
+    # Other inputs and settings get other files: a file of a bundled image's stem, two
+    # files of one stem, and two checkpoints of one run among them.
+    for checkpoint in ("last", "best"):
+        (tmp_path / "run" / f"{checkpoint}.safetensors").parent.mkdir(exist_ok=True)
+        (tmp_path / "run" / f"{checkpoint}.safetensors").touch()
     parser = build_parser()
     names = {
-        str(default_out(parser.parse_args(["visualize", "enact", *flags]), name))
-        for flags, name in (
-            ([], "china"),
-            (["--image", "flower"], "flower"),
-            (["--sigma", "0"], "china"),
-            (["--stride", "8"], "china"),
-            (["--image", "noise", "--seed", "1"], "noise"),
-            (["--input", "photo.jpg"], "photo.jpg"),
+        str(default_out(parser.parse_args(["visualize", "enact", *flags]), name, sigma))
+        for flags, name, sigma in (
+            ([], "china", 3.0),
+            (["--image", "flower"], "flower", 3.0),
+            (["--sigma", "0"], "china", 0.0),
+            (["--stride", "8"], "china", 3.0),
+            (["--image", "noise", "--seed", "1"], "noise", 3.0),
+            (["--input", "photo.jpg"], "photo.jpg", 3.0),
+            (["--input", "photo.png"], "photo.png", 3.0),
+            (["--input", "a/china.jpg"], "china.jpg", 3.0),
+            (["--checkpoint", "run/last.safetensors"], "china", 3.0),
+            (["--checkpoint", "run/best.safetensors"], "china", 3.0),
         )
     }
-    assert len(names) == 6 and row["out"] not in names
+    assert len(names) == 10 and row["out"] not in names
+
+
+def test_visualize_enact_shows_a_checkpoint_with_its_own_sigma(
+    tmp_path: Path, capsys: Capture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The figure shows what the trained layer computes: its sigma, unless --sigma is given.
+    from leanformer import create_model
+    from leanformer.engine.checkpoint import save_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    model = create_model("detr_encoder_test", attention="enact")
+    trained_sigma = model.layers[0].self_attn.sigma
+    assert trained_sigma != 3.0  # the default of an untrained layer
+    meta = {"model_name": "detr_encoder_test", "model_options": {"attention": "enact"}, "epoch": 1}
+    save_checkpoint(tmp_path / "run" / "last.safetensors", model=model, meta=meta)
+    argv = ["visualize", "--json", "enact", "--image", "noise", "--checkpoint", "run/last.safetensors"]
+    assert main(argv) == 0
+    (row,) = _rows(capsys)
+    assert row["sigma"] == trained_sigma
+    assert row["out"] == f"runs/enact_noise_seed0_s16_sigma{trained_sigma:g}_run-last.png"
+    assert main([*argv, "--sigma", "0"]) == 0
+    assert _rows(capsys)[0]["sigma"] == 0.0
 
 
 def test_allocator_settings_respect_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

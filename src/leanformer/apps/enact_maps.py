@@ -68,10 +68,11 @@ def conv_stem(stride: int, out_dim: int, seed: int) -> nn.Module:
 
 
 def enact_attention(
-    checkpoint: str | None, *, d_model: int, sigma: float, seed: int
+    checkpoint: str | None, *, d_model: int, sigma: float | None, seed: int
 ) -> EntropyClusteredAttention:
-    """The first ENACT layer of a ``detr_encoder`` ``checkpoint`` (its sigma set to ``sigma``),
-    else a seeded, untrained one of width ``d_model``."""
+    """The first ENACT layer of a ``detr_encoder`` ``checkpoint`` (with the sigma it was
+    trained with, unless ``sigma`` is given), else a seeded, untrained one of width
+    ``d_model`` (``sigma`` default 3, ENACT's)."""
     if checkpoint:
         model = load_model(checkpoint)
         layers = getattr(model, "layers", [])
@@ -80,10 +81,11 @@ def enact_attention(
             raise ValueError(
                 f"{checkpoint!r} holds no ENACT attention (train detr_encoder --attention enact)"
             )
-        attn.sigma = sigma
+        if sigma is not None:
+            attn.sigma = sigma
         return attn
     torch.manual_seed(seed)
-    return EntropyClusteredAttention(d_model, 8, sigma=sigma)
+    return EntropyClusteredAttention(d_model, 8, sigma=3.0 if sigma is None else sigma)
 
 
 @dataclass

@@ -33,36 +33,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", help="an image file instead of --image")
     parser.add_argument("--stride", type=int, default=16, help="conv stem stride, a power of 2 (default 16)")
     parser.add_argument(
-        "--sigma", type=float, default=3.0, help="entropy smoothing sigma, 0 disables (default 3)"
+        "--sigma",
+        type=float,
+        help="entropy smoothing sigma, 0 disables (default: the --checkpoint's, else 3)",
     )
     parser.add_argument("--checkpoint", help="a trained detr_encoder checkpoint: use its first ENACT layer")
     parser.add_argument(
         "--out",
         help="PNG path, or a folder to write the default name in (default: "
-        "runs/enact_<image>_s<stride>_sigma<sigma>[_<checkpoint>].png, named after what it shows "
-        "so that different runs do not overwrite each other)",
+        "runs/enact_<image>_s<stride>_sigma<sigma>[_<checkpoint>].png, named after what it shows: "
+        "the bundled image, or the --input file's name and type; the checkpoint's folder and file)",
     )
 
 
-def default_out(args: argparse.Namespace, name: str) -> Path:
-    """The figure's path when no ``--out`` is given: one file per image and setting."""
-    image = Path(name).stem if args.input else name
-    if not args.input and args.image == "noise":
-        image += f"_seed{args.seed}"
-    parts = [f"enact_{image}", f"s{args.stride}", f"sigma{args.sigma:g}"]
+def default_out(args: argparse.Namespace, name: str, sigma: float) -> Path:
+    """The figure's path when no ``--out`` is given: one file per image and setting.
+
+    An ``--input`` file is named with its type (``photo-jpg``), so neither a bundled
+    image of the same stem (``china``) nor ``photo.png`` shares its figure; a checkpoint
+    file by its folder and stem (``run-last``, ``run-best``), a run folder by its name.
+    ``sigma`` is the one the figure shows (a checkpoint's own when ``--sigma`` is not given).
+    """
+    if args.input:
+        file = Path(name)
+        image = file.stem + (f"-{file.suffix.lstrip('.')}" if file.suffix else "")
+    else:
+        image = name + (f"_seed{args.seed}" if args.image == "noise" else "")
+    parts = [f"enact_{image}", f"s{args.stride}", f"sigma{sigma:g}"]
     if args.checkpoint:
-        parts.append(
-            Path(args.checkpoint).resolve().parent.name
-            if Path(args.checkpoint).is_file()
-            else Path(args.checkpoint).name
-        )
+        checkpoint = Path(args.checkpoint)
+        if checkpoint.is_file():
+            parts.append(f"{checkpoint.resolve().parent.name}-{checkpoint.stem}")
+        else:
+            parts.append(checkpoint.name)
     return Path("runs") / ("_".join(parts) + ".png")
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from leanformer.apps.enact_maps import conv_stem, enact_attention, enact_maps, load_image, plot_enact_maps
 
-    check_sigma(args.sigma)
+    if args.sigma is not None:
+        check_sigma(args.sigma)
     if args.input and args.image:
         raise ValueError("give --image (a bundled input) or --input (an image file), not both")
     args.image = args.image or "china"
@@ -74,7 +85,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     maps = enact_maps(image, stem, attn)
     H, W = maps.regions.shape
     title = f"{name}: {H}x{W} features"
-    named = default_out(args, name)
+    named = default_out(args, name, attn.sigma)
     target = figure_path(args.out, named.name) if args.out else named
     out = plot_enact_maps(image, maps, target, title=title)
     L = maps.count
