@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from leanformer import create_model
 from leanformer.layers.attention import Attention
 from leanformer.layers.recursive import NonLinearProjection, RecursiveStage
 from leanformer.layers.residual_coeffs import LearnableResidual
@@ -99,7 +100,6 @@ def test_eval_is_deterministic_and_training_is_random(attn: SlicedGroupAttention
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     # A fresh module gives the same eval permutation for the same seed.
     fresh = copy.deepcopy(attn)
-    fresh._eval_perms.clear()
     torch.testing.assert_close(fresh(x, groups=8, permute=True, seed=5), a, rtol=0, atol=0)
     assert not torch.allclose(attn(x, groups=8, permute=True, seed=6), a)
     attn.train()
@@ -276,3 +276,25 @@ def test_stage_accepts_any_block_module() -> None:
     x = torch.zeros(1, 2, 4)
     # ((0*2+0)*2+1)*2+2 = 4
     torch.testing.assert_close(stage(x), torch.full((1, 2, 4), 4.0))
+
+
+def test_eval_after_inference_mode_still_takes_gradients() -> None:
+    # Evaluation runs under torch.inference_mode(); a later eval-mode call with
+    # gradients (saliency, adversarial inputs) must not meet an inference tensor.
+    model = create_model("sret_test").eval()
+    x = torch.randn(2, 3, 16, 16, requires_grad=True)
+    with torch.inference_mode():
+        expected = model(x)
+    out = model(x)
+    out.sum().backward()
+    assert torch.equal(out.detach(), expected) and x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_a_fresh_model_compiles_in_one_graph_and_matches_eager() -> None:
+    torch._dynamo.reset()
+    model = create_model("sret_test").eval()
+    x = torch.randn(2, 3, 16, 16)
+    compiled = torch.compile(model, fullgraph=True)  # first call compiled: nothing made eagerly before
+    with torch.no_grad():
+        got = compiled(x)
+        torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)

@@ -13,9 +13,11 @@ supplement's table 2 are ``permute`` with and without ``inverse``.
 
 In training the permutation is fresh for every call (``torch.randperm``, the same for
 every sample of the batch, as in the official code). In eval mode it is a fixed
-permutation per (layer, pass, token count) drawn from a seeded generator, so the
-same input always gives the same output (the official code draws a new one in eval
-mode too). A permutation followed by its inverse around full attention (``G = 1``)
+permutation per (layer, pass, token count): the order of counter-based noise hashed
+from a seed (:mod:`leanformer.ops.hashed_noise`), so the same input always gives the
+same output on any device, and the permutation is computed inside the graph:
+``torch.compile(fullgraph=True)`` holds it, and nothing is cached between calls (the
+official code draws a new one in eval mode too). A permutation followed by its inverse around full attention (``G = 1``)
 is the identity, and is skipped.
 """
 
@@ -31,6 +33,7 @@ from leanformer.layers.checks import check_sizes, head_dim
 from leanformer.layers.norm import LAYER_NORM
 from leanformer.layers.residual_coeffs import LearnableResidual, LRCMode, check_lrc_mode
 from leanformer.ops.attention import attention
+from leanformer.ops.hashed_noise import hashed_uniform
 
 
 def check_groups(num_tokens: int, groups: int) -> None:
@@ -75,25 +78,18 @@ class SlicedGroupAttention(nn.Module):
         self.attn_drop = attn_drop
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
-        # Eval-mode permutations, keyed by (tokens, seed, device); not state: they are
-        # a pure function of the key.
-        self._eval_perms: dict[tuple[int, int, str], tuple[Tensor, Tensor]] = {}
 
     def permutation(self, num_tokens: int, device: torch.device, seed: int) -> tuple[Tensor, Tensor]:
         """``(perm [N], inverse [N])``: random in training, fixed per ``seed`` in eval."""
         if self.training:
             perm = torch.randperm(num_tokens, device=device)
-            return perm, inverse_permutation(perm)
-        key = (num_tokens, seed, str(device))
-        cached = self._eval_perms.get(key)
-        if cached is None:
-            # Drawn on the CPU from a private generator: independent of the global RNG
-            # state and identical on every device; copied to the device once.
-            gen = torch.Generator().manual_seed(seed)
-            perm = torch.randperm(num_tokens, generator=gen).to(device)
-            cached = (perm, inverse_permutation(perm))
-            self._eval_perms[key] = cached
-        return cached
+        else:
+            # No generator (a stateful object stops fullgraph compiles) and no cache (a
+            # tensor kept from a call under torch.inference_mode() cannot be saved for a
+            # later call's backward): the stable order of hashed noise, a few cheap ops.
+            noise = hashed_uniform(1, num_tokens, seed=seed, device=device)[0]
+            perm = noise.argsort(stable=True)
+        return perm, inverse_permutation(perm)
 
     def forward(
         self, x: Tensor, *, groups: int = 1, permute: bool = False, inverse: bool = True, seed: int = 0
