@@ -346,6 +346,18 @@ def test_resume_refuses_a_new_learning_rate(tmp_path: Path, capsys: Capture) -> 
     assert "optim settings cannot change in a resumed run (lr 0.001 -> 0.01)" in err
 
 
+def test_resume_refuses_to_switch_query_masking(tmp_path: Path, capsys: Capture) -> None:
+    # The masked run's sampler state is in its checkpoint; an unmasked run has none.
+    perceiver = ["train", "--model", "visual_perceiver_test", "--batch-size", "16"]
+    perceiver += ["--data.limit_train", "32", "--data.limit_test", "16"]
+    run = tmp_path / "run"
+    assert main([*perceiver, "--epochs", "1", "--out", str(run), "--quiet"]) == 0
+    argv = [*perceiver, "--epochs", "2", "--out", str(run), "--resume", "--quiet"]
+    err = _error([*argv, "--query-masking"], capsys)
+    assert "Query Masking cannot change in a resumed run (query_masking False -> True)" in err
+    assert main(argv) == 0  # unchanged, it resumes
+
+
 def test_resume_ignores_a_saved_option_that_had_no_effect(tmp_path: Path, capsys: Capture) -> None:
     """Runs saved before such values were refused may hold a distillation temperature
     without a teacher: resuming warns and continues instead of failing on it."""

@@ -360,6 +360,19 @@ def _fit(
                     f"resume: optim settings cannot change in a resumed run ({', '.join(changed)}); "
                     "only optim.epochs can"
                 )
+            # Query Masking's sampler resumes from its saved state, which a run trained
+            # without it has not (and a run trained with it would silently stop masking).
+            saved_train = dict(ckpt.meta.get("config", {}).get("train", {}))
+            switched = [
+                f"{key} {saved_train.get(key, default)} -> {getattr(cfg.train, key)}"
+                for key, default in (("query_masking", False), ("query_distribution", "uniform"))
+                if saved_train.get(key, default) != getattr(cfg.train, key)
+            ]
+            if switched:
+                raise ValueError(
+                    f"resume: Query Masking cannot change in a resumed run ({', '.join(switched)}); "
+                    "train a new run (another --out) to change it"
+                )
             model.load_state_dict(ckpt.model_state)
             optimizer.load_state_dict(ckpt.optimizer_state)  # type: ignore[arg-type]
             scheduler.load_state_dict(ckpt.scheduler_state)  # type: ignore[arg-type]
