@@ -673,3 +673,42 @@ def test_seeds_out_of_range_name_the_flag(seed: str, tmp_path: Path, capsys: Cap
 @pytest.mark.parametrize("seed", [str(-1), str(2**46)])
 def test_seeds_at_the_ends_of_the_range_train(seed: str, tmp_path: Path) -> None:
     assert main([*TRAIN, "--seed", seed, "--out", str(tmp_path / "run"), "--quiet"]) == 0
+
+
+def _image_folder(root: Path, classes: int) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    for split in ("train", "test"):
+        for label in range(classes):
+            folder = root / split / f"class{label}"
+            folder.mkdir(parents=True)
+            for i in range(2):
+                Image.fromarray(np.full((8, 8, 3), 20 * label + i, dtype=np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def two_class_perceiver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = _image_folder(tmp_path_factory.mktemp("two"), 2)
+    run = root / "run"
+    argv = ["train", "--model", "visual_perceiver_test", "--data", "imagefolder", "--data-root", str(root)]
+    assert (
+        main([*argv, "--img-size", "8", "--batch-size", "2", "--epochs", "1", "--out", str(run), "--quiet"])
+        == 0
+    )
+    return run
+
+
+@pytest.mark.parametrize("command", ["eval", "perceiver-eval"])
+def test_a_checkpoint_with_fewer_class_scores_than_the_data_is_refused(
+    command: str, two_class_perceiver: Path, tmp_path: Path, capsys: Capture
+) -> None:
+    # A target past the last score used to fail partway through with an IndexError.
+    data = _image_folder(tmp_path / "twelve", 12)
+    argv = [command, "--checkpoint", str(two_class_perceiver), "--data", "imagefolder"]
+    argv += ["--data-root", str(data), "--img-size", "8"]
+    if command == "perceiver-eval":
+        argv += ["--out", str(tmp_path / "pe")]
+    err = _error(argv, capsys)
+    assert "gives 2 class scores, but the data has 12 classes" in err

@@ -60,8 +60,9 @@ def check_data_fits(model_cls: type[nn.Module], info: DatasetInfo, *, name: str 
 
 
 def check_model_fits(model: nn.Module, info: DatasetInfo) -> None:
-    """:func:`check_data_fits` for a built model (a checkpoint's, say), and its image
-    channels: a clear error instead of the first convolution's shape error."""
+    """:func:`check_data_fits` for a built model (a checkpoint's, say), its image channels
+    and its class scores: a clear error instead of the first convolution's shape error or
+    a target out of range partway through."""
     name = getattr(model, "leanformer_name", None)
     check_data_fits(type(model), info, name=name)
     takes = getattr(model, "in_chans", None)
@@ -69,6 +70,13 @@ def check_model_fits(model: nn.Module, info: DatasetInfo) -> None:
         raise ValueError(
             f"{name or type(model).__name__} takes images of {takes} channel(s), but the data gives "
             f"{info.in_chans} (a checkpoint keeps the channels it was trained on)"
+        )
+    scores = getattr(model, "num_classes", None)
+    if isinstance(scores, int) and info.num_classes is not None and scores < info.num_classes:
+        # A target past the last score would fail mid-evaluation in the loss or a gather.
+        raise ValueError(
+            f"{name or type(model).__name__} gives {scores} class scores, but the data has "
+            f"{info.num_classes} classes (a checkpoint keeps the classes it was trained on)"
         )
 
 
