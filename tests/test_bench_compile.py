@@ -114,3 +114,12 @@ def test_a_layer_that_breaks_the_graph_is_refused_by_name(capsys: pytest.Capture
     argv = ["bench", "--model", "detr_encoder_test", "--attention", "enact", "--feature-size", "6x7"]
     assert main([*argv, "--runs", "1", "--warmup", "0", "--no-memory", "--compile"]) == 2
     assert "largest region count on the host" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["bench", "eval"])
+def test_compiled_dynamic_query_selection_is_refused(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # The number of queries DQS keeps depends on the data: bench used to fail in dynamo.
+    argv = [command, "--model", "visual_perceiver_test", "--compile", "--dqs-threshold", "0.5"]
+    argv += ["--runs", "1", "--warmup", "0", "--no-memory"] if command == "bench" else ["--data.limit_test", "8"]
+    assert main(argv) == 2
+    assert "--compile cannot run dynamic query selection" in capsys.readouterr().err

@@ -53,10 +53,21 @@ def compile_model(model: nn.Module, *, backend: str = "inductor") -> nn.Module:
     return torch.compile(model, fullgraph=True, backend=backend)  # type: ignore[return-value]
 
 
+def check_compilable_call(forward_kwargs: dict[str, Any] | None) -> None:
+    """Refuse call options whose output shapes depend on the data: dynamic query
+    selection keeps a per-input number of queries, which no single graph holds."""
+    if forward_kwargs and forward_kwargs.get("dqs_threshold") is not None:
+        raise ValueError(
+            "--compile cannot run dynamic query selection: the number of queries it keeps "
+            "depends on the data, so the graph's shapes do"
+        )
+
+
 def compile_for_inference(
     model: nn.Module, inputs: tuple[Any, ...], *, forward_kwargs: dict[str, Any] | None = None
 ) -> tuple[nn.Module, float]:
     """Compile ``model`` in eval mode for ``inputs``; returns it and the compile seconds (first call)."""
+    check_compilable_call(forward_kwargs)
     model.eval()
     compiled = compile_model(model)
     start = time.perf_counter()

@@ -146,13 +146,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     kwargs = forward_kwargs(args, model)
     compiled = cfg.compile
     if compiled:
-        if "dqs_threshold" in kwargs:
-            raise ValueError(
-                "--compile cannot run dynamic query selection: the number of queries it keeps "
-                "depends on the data, so the graph's shapes do"
-            )
-        from leanformer.bench.compiled import compile_model
+        from leanformer.bench.compiled import check_compilable_call, compile_model
 
+        check_compilable_call(kwargs)
         model = compile_model(model)
     metrics = evaluate(
         model,
