@@ -109,17 +109,26 @@ def test_a_layer_that_breaks_the_graph_is_refused_by_name(capsys: pytest.Capture
     # data-dependent guard error; the refusal names the layer and the reason instead.
     from leanformer.layers.enact_attention import EntropyClusteredAttention
 
-    with pytest.raises(ValueError, match="EntropyClusteredAttention cannot be compiled into one graph"):
+    with pytest.raises(
+        ValueError, match=r"0 \(EntropyClusteredAttention\) cannot be compiled into one graph"
+    ):
         compiled_module.compile_model(nn.Sequential(EntropyClusteredAttention(8, 2)))
+    # PyTorch's fused recurrences (DRRT's default tanh recurrence): dynamo does not wrap them.
+    with pytest.raises(ValueError, match=r"^1 \(GRU\) cannot be compiled into one graph.*fused recurrent"):
+        compiled_module.compile_model(nn.Sequential(nn.Identity(), nn.GRU(2, 2)))
     argv = ["bench", "--model", "detr_encoder_test", "--attention", "enact", "--feature-size", "6x7"]
     assert main([*argv, "--runs", "1", "--warmup", "0", "--no-memory", "--compile"]) == 2
     assert "largest region count on the host" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["bench", "eval"])
-def test_compiled_dynamic_query_selection_is_refused(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_compiled_dynamic_query_selection_is_refused(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     # The number of queries DQS keeps depends on the data: bench used to fail in dynamo.
     argv = [command, "--model", "visual_perceiver_test", "--compile", "--dqs-threshold", "0.5"]
-    argv += ["--runs", "1", "--warmup", "0", "--no-memory"] if command == "bench" else ["--data.limit_test", "8"]
+    argv += (
+        ["--runs", "1", "--warmup", "0", "--no-memory"] if command == "bench" else ["--data.limit_test", "8"]
+    )
     assert main(argv) == 2
     assert "--compile cannot run dynamic query selection" in capsys.readouterr().err

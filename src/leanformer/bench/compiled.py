@@ -34,19 +34,29 @@ def _make_room_for_one_more_model() -> None:
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4 * needed)
 
 
+def _graph_break(module: nn.Module) -> str | None:
+    """Why ``module`` splits a compiled graph, or None."""
+    if isinstance(module, nn.RNNBase):
+        return "dynamo does not trace PyTorch's fused recurrent modules (nn.RNN, nn.GRU, nn.LSTM)"
+    reason = getattr(type(module), "graph_break", None)
+    return reason if isinstance(reason, str) else None
+
+
 def compile_model(model: nn.Module, *, backend: str = "inductor") -> nn.Module:
     """``model`` compiled with ``fullgraph=True`` (the result is an ``nn.Module`` sharing its
     weights). Any number of models may be compiled in one process (see above).
 
-    A model holding a layer that declares a ``graph_break`` (a class attribute naming the
-    host read that splits its graph) is refused with that reason, before dynamo fails
-    on it mid-trace with its own message.
+    A model holding a layer that splits the graph is refused with the reason, before
+    dynamo fails on it mid-trace with its own message: PyTorch's fused recurrent
+    modules, and layers that declare a ``graph_break`` (a class attribute naming the
+    host read that splits theirs).
     """
-    for module in model.modules():
-        reason = getattr(type(module), "graph_break", None)
-        if isinstance(reason, str):
+    for name, module in model.named_modules():
+        reason = _graph_break(module)
+        if reason is not None:
+            where = f"{name} ({type(module).__name__})" if name else type(module).__name__
             raise ValueError(
-                f"{type(module).__name__} cannot be compiled into one graph "
+                f"{where} cannot be compiled into one graph "
                 f"(torch.compile(fullgraph=True)): {reason}; measure it without compiling"
             )
     _make_room_for_one_more_model()

@@ -17,8 +17,8 @@ permutation per (layer, pass, token count): the order of counter-based noise has
 from a seed (:mod:`leanformer.ops.hashed_noise`), so the same input always gives the
 same output on any device, and the permutation is computed inside the graph:
 ``torch.compile(fullgraph=True)`` holds it, and nothing is cached between calls (the
-official code draws a new one in eval mode too). A permutation followed by its inverse around full attention (``G = 1``)
-is the identity, and is skipped.
+official code draws a new one in eval mode too). A permutation followed by its inverse
+around full attention (``G = 1``) is the identity, and is skipped.
 """
 
 from __future__ import annotations
