@@ -12,6 +12,7 @@ from leanformer.layers.checks import (
     check_positive_number,
     check_sizes,
     head_dim,
+    hidden_width,
 )
 from leanformer.layers.patch_embed import to_2tuple
 from leanformer.ops.entropy_map import check_sigma
@@ -75,3 +76,23 @@ def test_sigma() -> None:
     for bad in (True, "1", -1.0, float("nan"), float("inf"), 1001.0):
         with pytest.raises(ValueError, match="sigma must be a finite number in"):
             check_sigma(bad)
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("sret_test", {"nll_ratio": 0.01}),
+        ("sret_test", {"mlp_ratio": 0.01}),
+        ("deit_test", {"mlp_ratio": 0.01}),
+        ("visual_perceiver_test", {"mlp_ratio": 0.001}),
+    ],
+)
+def test_a_ratio_that_leaves_no_hidden_unit_is_refused(name: str, options: dict[str, float]) -> None:
+    # timm's Mlp reads a hidden width of 0 as "the input width": a smaller ratio used to
+    # build a larger model (sret_tiny: 3.65M parameters at nll_ratio 0.015, 3.63M at 0.02).
+    from leanformer import create_model
+
+    (key,) = options
+    with pytest.raises(ValueError, match=f"{key} .* leaves no hidden unit"):
+        create_model(name, **options)
+    assert hidden_width(16, 0.0625) == 1 and hidden_width(16, 3.6) == 57

@@ -75,6 +75,21 @@ def test_permutation_modes(mode: str, permute: tuple[bool, ...], inverse: bool) 
         assert blk.permute == (False, expected) and blk.inverse == inverse
 
 
+def test_none_modes_given_on_the_command_line() -> None:
+    # `--opt permutation=none --opt lrc=none` read as YAML's null: they are the "none"
+    # ablations (no permutation, no learnable residual coefficients), not an error.
+    from leanformer.cli import main
+    from leanformer.layers.residual_coeffs import LearnableResidual
+
+    assert main(["bench", "--model", "sret_test", "--opt", "permutation=none", "--opt", "lrc=none",
+                 "--runs", "1", "--warmup", "0", "--no-memory", "--quiet"]) == 0  # fmt: skip
+    model = create_model("sret_test", permutation=None, lrc=None)
+    assert model.permutation == "none" and not any(b.permute[1] for s in model.stages for b in s.blocks)
+    residuals = [m for m in model.modules() if isinstance(m, LearnableResidual)]
+    assert residuals and all(m.mode == "none" for m in residuals)
+    assert not any(p.numel() for m in residuals for p in m.parameters())
+
+
 def test_eval_is_deterministic_and_batch_independent() -> None:
     torch.manual_seed(0)
     model = create_model("sret_test").eval()

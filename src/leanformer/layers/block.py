@@ -11,6 +11,7 @@ from timm.layers import DropPath, LayerScale, Mlp
 from torch import Tensor, nn
 
 from leanformer.layers.attention import Attention
+from leanformer.layers.checks import hidden_width
 from leanformer.ops.ragged import RaggedBatch
 
 __all__ = ["Block"]
@@ -50,7 +51,7 @@ class Block(nn.Module):
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim)
         self.mlp = mlp_layer(
-            in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop
+            in_features=dim, hidden_features=hidden_width(dim, mlp_ratio), act_layer=act_layer, drop=proj_drop
         )
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()

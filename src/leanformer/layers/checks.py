@@ -53,6 +53,20 @@ def check_positive_number(*, zero_ok: bool = False, optional: bool = False, **va
             raise ValueError(f"{name} must be a number {'>= 0' if zero_ok else '> 0'}, got {value!r}")
 
 
+def hidden_width(dim: int, ratio: float, *, name: str = "mlp_ratio") -> int:
+    """An MLP's hidden width ``int(dim * ratio)``, checked to be at least 1: timm's ``Mlp``
+    reads a hidden width of 0 as "the input width", so a tiny ratio would silently build
+    a full-width MLP."""
+    check_positive_number(**{name: ratio})
+    width = int(dim * ratio)
+    if width < 1:
+        raise ValueError(
+            f"{name} {ratio!r} leaves no hidden unit at width {dim} (int({dim} * {ratio!r}) = {width}): "
+            f"use at least {1 / dim:.3g}"
+        )
+    return width
+
+
 def head_dim(dim: int, num_heads: int, *, dim_name: str = "dim") -> int:
     """Width of one attention head: ``dim // num_heads``, after checking both."""
     named: dict[str, Any] = {dim_name: dim, "num_heads": num_heads}

@@ -19,7 +19,7 @@ import torch
 from timm.layers import DropPath, LayerScale, Mlp
 from torch import Tensor, nn
 
-from leanformer.layers.checks import head_dim
+from leanformer.layers.checks import head_dim, hidden_width
 from leanformer.ops.attention import attention
 from leanformer.ops.ragged import RaggedBatch
 
@@ -142,7 +142,7 @@ class CrossAttentionBlock(nn.Module):
         self.drop_path1 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()
         self.norm2 = norm_layer(dim)
         self.mlp = mlp_layer(
-            in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop
+            in_features=dim, hidden_features=hidden_width(dim, mlp_ratio), act_layer=act_layer, drop=proj_drop
         )
         self.ls2 = LayerScale(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()

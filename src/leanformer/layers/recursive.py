@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from timm.layers import Mlp
 from torch import Tensor, nn
 
-from leanformer.layers.checks import check_positive, check_positive_number
+from leanformer.layers.checks import check_positive, check_positive_number, hidden_width
 from leanformer.layers.norm import LAYER_NORM
 from leanformer.layers.residual_coeffs import LearnableResidual, LRCMode
 
@@ -40,9 +40,9 @@ class NonLinearProjection(nn.Module):
         act_layer: type[nn.Module] = nn.GELU,
     ) -> None:
         super().__init__()
-        check_positive_number(nll_ratio=ratio)
         self.norm = norm_layer(dim)
-        self.mlp = Mlp(in_features=dim, hidden_features=int(dim * ratio), act_layer=act_layer, drop=drop)
+        hidden = hidden_width(dim, ratio, name="nll_ratio")
+        self.mlp = Mlp(in_features=dim, hidden_features=hidden, act_layer=act_layer, drop=drop)
         self.res = LearnableResidual(mode=lrc)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -25,8 +25,11 @@ LRCMode = Literal["both", "skip", "branch", "none"]
 LRC_MODES: tuple[str, ...] = get_args(LRCMode)
 
 
-def check_lrc_mode(mode: str) -> LRCMode:
-    """Validate ``mode`` (raises ``ValueError`` naming the choices)."""
+def check_lrc_mode(mode: str | None) -> LRCMode:
+    """Validate ``mode`` (raises ``ValueError`` naming the choices); None is ``"none"``:
+    ``--opt lrc=none`` reads as YAML's null."""
+    if mode is None:
+        return "none"
     if mode not in LRC_MODES:
         raise ValueError(f"lrc must be one of {', '.join(LRC_MODES)}; got {mode!r}")
     return mode  # type: ignore[return-value]

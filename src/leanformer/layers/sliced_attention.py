@@ -29,7 +29,7 @@ import torch
 from timm.layers import DropPath, Mlp
 from torch import Tensor, nn
 
-from leanformer.layers.checks import check_sizes, head_dim
+from leanformer.layers.checks import check_sizes, head_dim, hidden_width
 from leanformer.layers.norm import LAYER_NORM
 from leanformer.layers.residual_coeffs import LearnableResidual, LRCMode, check_lrc_mode
 from leanformer.ops.attention import attention
@@ -157,7 +157,7 @@ class SlicedBlock(nn.Module):
         self.res1 = LearnableResidual(mode=lrc)
         self.norm2 = norm_layer(dim)
         self.mlp = Mlp(
-            in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop
+            in_features=dim, hidden_features=hidden_width(dim, mlp_ratio), act_layer=act_layer, drop=proj_drop
         )
         self.res2 = LearnableResidual(mode=lrc)
         self.drop_path = DropPath(drop_path) if drop_path > 0.0 else nn.Identity()

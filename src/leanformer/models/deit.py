@@ -25,7 +25,13 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from leanformer.layers.budgets import KeepLike
-from leanformer.layers.checks import check_positive, check_positive_number, check_rates, head_dim
+from leanformer.layers.checks import (
+    check_positive,
+    check_positive_number,
+    check_rates,
+    head_dim,
+    hidden_width,
+)
 from leanformer.layers.classifier import classifier
 from leanformer.layers.host_adapter import install
 from leanformer.layers.init import init_vit_weights
@@ -80,7 +86,7 @@ class DeiT(VisionTransformer):
         check_positive(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, num_heads=num_heads)
         check_positive(minimum=0, depth=depth)
         check_rates(drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate)
-        check_positive_number(mlp_ratio=mlp_ratio)
+        hidden_width(embed_dim, mlp_ratio)  # timm's blocks would read a width of 0 as full width
         # LayerScale's init_values: 0 or None for none.
         check_positive_number(zero_ok=True, optional=True, init_values=init_values)
         classifier(embed_dim, num_classes)  # validates num_classes before timm builds anything

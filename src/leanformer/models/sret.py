@@ -108,6 +108,8 @@ class SReT(nn.Module):
         drop_path_rate: float = 0.0,
     ) -> None:
         super().__init__()
+        if permutation is None:  # --opt permutation=none reads as YAML's null
+            permutation = "none"
         groups = self._validate(
             stem_chs,
             stem_strides,
