@@ -138,6 +138,14 @@ def test_dqs_within_first_k_and_with_gradients() -> None:
     assert model.queries.grad is not None and bool(model.queries.grad[0].abs().sum() > 0)
 
 
+def test_dqs_on_an_empty_batch_is_empty_as_fixed_k_is() -> None:
+    model = _model()
+    empty = _images(0)
+    assert model(empty).shape == model(empty, dqs_threshold=0.5).shape == (0, 5)
+    assert model.last_kept_counts is not None and model.last_kept_counts.shape == (0,)
+    assert model.last_kept_mask is not None and model.last_kept_mask.shape == (0, 8)
+
+
 def test_attention_maps_are_distributions() -> None:
     model, x = _model(), _images()
     maps = model.cross_attention_maps(x, num_queries=6)
@@ -166,6 +174,8 @@ def test_bad_inputs() -> None:
         model(x, query_index=torch.zeros(3, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="unknown dqs_rule"):
         model(x, dqs_threshold=0.5, dqs_rule="greedy")
+    with pytest.raises(ValueError, match="dqs_rule='kept' needs a dqs_threshold"):
+        model(x, dqs_rule="kept")  # used to be ignored: every query ran
     with pytest.raises(ValueError, match="num_queries must be an integer >= 1"):
         create_model("visual_perceiver_test", num_queries=0)
     with pytest.raises(ValueError, match="no option"):

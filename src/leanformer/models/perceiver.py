@@ -139,7 +139,8 @@ class VisualPerceiver(nn.Module):
         self.norm = LAYER_NORM(embed_dim)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = classifier(embed_dim, num_classes)
-        # Per-input kept query counts [B] of the last DQS call (None after a fixed-K call).
+        # Per-input kept query counts [B] of the last DQS call, and its mask [B, K] over
+        # that call's candidate queries in their order (None after a fixed-K call).
         self.last_kept_counts: Tensor | None = None
         self.last_kept_mask: Tensor | None = None
         self._init_weights()
@@ -223,6 +224,8 @@ class VisualPerceiver(nn.Module):
         """Images ``[B, C_in, H, W]`` -> pooled features ``[B, C]`` (the decoder's output token)."""
         if dqs_rule not in DQS_RULES:
             raise ValueError(f"unknown dqs_rule {dqs_rule!r}; choose one of {', '.join(DQS_RULES)}")
+        if dqs_threshold is None and dqs_rule != "any":
+            raise ValueError(f"dqs_rule={dqs_rule!r} needs a dqs_threshold: without one no query is dropped")
         tokens = self.embed(x)
         queries = self.candidate_queries(tokens.shape[0], num_queries, query_index)
         mixed = self.cross.mix(queries, tokens)
@@ -239,6 +242,11 @@ class VisualPerceiver(nn.Module):
         inputs with similar kept counts (within ``dqs_max_padding``), padded and masked.
         """
         B = mixed.shape[0]
+        if B == 0:
+            # Nothing to select from (and no bucket to pack): the fixed-K path's empty output.
+            self.last_kept_mask = torch.zeros(mixed.shape[:2], dtype=torch.bool, device=mixed.device)
+            self.last_kept_counts = torch.zeros(0, dtype=torch.long, device=mixed.device)
+            return self.decode(self.encode(queries, mixed))
         keep = select_queries(mixed.detach(), threshold, rule=rule)  # type: ignore[arg-type]
         positions, counts = kept_positions(keep)
         self.last_kept_mask, self.last_kept_counts = keep, counts
