@@ -69,6 +69,9 @@ def test_cost_table_and_plot(tmp_path: Path) -> None:
     model, loader = _setup()
     cost = cost_by_k(model, [1, 8], batch=torch.randn(2, 3, 16, 16), warmup=0, runs=1)
     assert cost[0]["gflops"] < cost[1]["gflops"] and cost[1]["rel_time"] == 1.0
+    # Relative to all Q = 8 queries even when K = 8 is not asked for (not to the largest K).
+    partial = cost_by_k(model, [1, 2], batch=torch.randn(2, 3, 16, 16), warmup=0, runs=1)
+    assert [row["k"] for row in partial] == [1, 2] and partial[1]["rel_time"] != 1.0
     acc = accuracy_by_k(model, loader, [1, 8])
     text = markdown_table(acc, [("k", "K"), ("top1", "top-1 %")])
     assert text.splitlines()[0] == "| K | top-1 % |" and len(text.splitlines()) == 4
