@@ -243,3 +243,23 @@ def test_python_dash_m_runs_the_command_line() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[0])["model"] == "deit_test"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--ks", "0"], "query counts must be >= 1, got [0]"),
+        (["--ks", "100"], "--ks [100] exceed the model's 8 latent queries"),
+        (["--thresholds", "nan"], "DQS threshold must be a real number, got nan"),
+        (["--model", "deit_test"], "demo perceiver needs a Visual Perceiver"),
+    ],
+)
+def test_demo_perceiver_checks_its_options_before_training(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # These used to surface after both models had trained (up to minutes).
+    out = tmp_path / "demo"
+    argv = ["demo", "perceiver", "--model", "visual_perceiver_test", "--epochs", "1", "--out", str(out)]
+    assert main([*argv, *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # nothing trained, nothing written

@@ -42,12 +42,30 @@ PAPER_KS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
 PAPER_THRESHOLDS: tuple[float, ...] = (0.6, 0.65, 0.7, 0.8, 0.9, 0.99)
 
 
+def query_counts(given: list[int] | None, total: int, default: Iterable[int]) -> list[int]:
+    """The query counts of a table: ``default``'s below the model's ``total`` (``Q``), then
+    ``Q``; a list the user gave must fit entirely (a silently shorter table would not
+    show what was asked)."""
+    if given is None:
+        return [k for k in default if k < total] + [total]
+    too_many = [k for k in given if k > total]
+    if too_many:
+        raise ValueError(f"--ks {too_many} exceed the model's {total} latent queries")
+    _sorted_counts(given)
+    return given
+
+
+def _sorted_counts(ks: Iterable[int]) -> list[int]:
+    counts = sorted({int(k) for k in ks})
+    if not counts or counts[0] < 1:
+        raise ValueError(f"query counts must be >= 1, got {counts}")
+    return counts
+
+
 def check_ks(model: nn.Module, ks: Iterable[int]) -> list[int]:
     """Query counts clipped to the model's ``Q`` (the paper's list on a smaller model)."""
     total = query_budget(model, needed_by="the Perceiver tables")
-    ks = sorted({int(k) for k in ks})
-    if not ks or ks[0] < 1:
-        raise ValueError(f"query counts must be >= 1, got {ks}")
+    ks = _sorted_counts(ks)
     kept = [k for k in ks if k <= total]
     if not kept:
         raise ValueError(f"every query count in {ks} exceeds the model's {total} queries")

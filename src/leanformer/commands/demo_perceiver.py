@@ -31,7 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser, *TRAINING, defaults=TRAINING)
     parser.add_argument("--model", default="visual_perceiver_digits", help="a Visual Perceiver preset")
     parser.add_argument(
-        "--ks", type=int_list, default=int_list(DEFAULT_KS), help=f"query counts (default {DEFAULT_KS})"
+        "--ks",
+        type=int_list,
+        default=None,
+        help=f"query counts (default {DEFAULT_KS}: those below the model's query count Q, then Q)",
     )
     parser.add_argument(
         "--thresholds",
@@ -46,11 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/demo_perceiver", help="run folder, replaced by every demo run")
 
 
-def _train(args: argparse.Namespace, masking: bool, out: Path) -> Any:
+def _config(args: argparse.Namespace, masking: bool) -> Any:
     from leanformer.config import load_config
-    from leanformer.engine.train import fit
 
-    cfg = load_config(
+    return load_config(
         None,
         {
             "model": args.model,
@@ -60,7 +62,31 @@ def _train(args: argparse.Namespace, masking: bool, out: Path) -> Any:
             "device": args.device,
         },
     )
+
+
+def _train(args: argparse.Namespace, masking: bool, out: Path) -> Any:
+    from leanformer.engine.train import fit
+
+    cfg = _config(args, masking)
     return cfg, fit(cfg, out_dir=out, progress=not args.quiet and not args.json, overwrite=True)
+
+
+def _check_before_training(args: argparse.Namespace) -> list[int]:
+    """The model, query counts and thresholds, checked before two trainings, not after:
+    returns the query counts of the tables."""
+    from leanformer.apps.perceiver_eval import query_counts
+    from leanformer.engine.builders import build_model, build_split
+    from leanformer.models.query_budget import query_budget
+    from leanformer.ops.query_selection import check_threshold
+
+    if args.reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {args.reps}")
+    cfg = _config(args, False)
+    model, _ = build_model(cfg.model, dict(cfg.model_options), build_split(cfg.data, "test").info)
+    ks = query_counts(args.ks, query_budget(model, needed_by="demo perceiver"), int_list(DEFAULT_KS))
+    for threshold in args.thresholds:
+        check_threshold(threshold)
+    return ks
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -76,14 +102,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.data.loaders import eval_loader
     from leanformer.engine.builders import build_split
 
-    if args.reps < 1:
-        raise ValueError(f"--reps must be >= 1, got {args.reps}")
+    ks = _check_before_training(args)
     out = Path(args.out)
     started = time.perf_counter()
     cfg, fixed = _train(args, False, out / "fixed")
     _, masked = _train(args, True, out / "query_masking")
     loader = eval_loader(build_split(cfg.data, "test"), batch_size=cfg.data.eval_batch_size)
-    ks = args.ks
     fixed_rows = accuracy_by_k(fixed.model, loader, ks, device=args.device)
     masked_rows = accuracy_by_k(masked.model, loader, ks, device=args.device)
     random_rows = random_subset_accuracy(

@@ -48,16 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_data_arguments(parser)
 
 
-def _query_counts(given: list[int] | None, total: int) -> list[int]:
-    """The default list below the model's ``Q``, then ``Q``; a list the user gave must fit entirely."""
-    if given is None:
-        return [k for k in int_list(DEFAULT_KS) if k < total] + [total]
-    too_many = [k for k in given if k > total]
-    if too_many:
-        raise ValueError(f"--ks {too_many} exceed the model's {total} latent queries")
-    return given
-
-
 OUTPUTS = ("results.jsonl", "accuracy_vs_k.png")
 
 
@@ -88,6 +78,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         dqs_sweep,
         markdown_table,
         plot_perceiver,
+        query_counts,
         random_subset_accuracy,
     )
     from leanformer.bench.results import write_jsonl
@@ -97,7 +88,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise ValueError("--reps and --time-batch must be >= 0 and --runs >= 1")
     _check_out(Path(args.out), overwrite=args.overwrite)  # before the work, not after it
     model, dataset = load_perceiver(args, split=args.split, command="perceiver-eval")
-    ks = _query_counts(args.ks, query_budget(model, needed_by="perceiver-eval"))
+    ks = query_counts(args.ks, query_budget(model, needed_by="perceiver-eval"), int_list(DEFAULT_KS))
     loader = eval_loader(dataset, batch_size=args.batch_size or 256)
     show = not (args.quiet or args.json)
     acc = accuracy_by_k(model, loader, ks, device=args.device, progress=show)

@@ -43,6 +43,11 @@ def _check(y: Tensor, threshold: float, rule: str) -> None:
         raise ValueError("DQS needs at least one candidate query")
     if rule not in DQS_RULES:
         raise ValueError(f"unknown DQS rule {rule!r}; choose one of {', '.join(DQS_RULES)}")
+    check_threshold(threshold)
+
+
+def check_threshold(threshold: object) -> None:
+    """A DQS threshold must be a real number (not NaN); any value is meaningful (see the module)."""
     if not isinstance(threshold, int | float) or threshold != threshold:
         raise ValueError(f"DQS threshold must be a real number, got {threshold!r}")
 
