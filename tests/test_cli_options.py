@@ -712,3 +712,16 @@ def test_a_checkpoint_with_fewer_class_scores_than_the_data_is_refused(
         argv += ["--out", str(tmp_path / "pe")]
     err = _error(argv, capsys)
     assert "gives 2 class scores, but the data has 12 classes" in err
+
+
+def test_a_teacher_that_takes_other_inputs_is_refused_naming_it(
+    tmp_path: Path, capsys: Capture, checkpoint: Path
+) -> None:
+    # A pair model teaching an image model (and the reverse, from a checkpoint) used to
+    # fail on the first batch with the student's input error or a bare TypeError.
+    err = _error([*TRAIN, "--teacher", "drrt_test", "--out", str(tmp_path / "a")], capsys)
+    assert "teacher drrt_test does not fit the data: drrt_test takes a pair of inputs" in err
+    pairs = ["train", "--model", "drrt_test", "--data", "digits_pairs", "--epochs", "1"]
+    err = _error([*pairs, "--teacher", str(checkpoint), "--out", str(tmp_path / "b")], capsys)
+    assert f"teacher {checkpoint} does not fit the data" in err and "takes one image" in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -36,7 +36,7 @@ from leanformer.config import (
     to_dict,
 )
 from leanformer.data.loaders import eval_loader, train_loader
-from leanformer.engine.builders import build_model, build_split
+from leanformer.engine.builders import build_model, build_split, check_model_fits
 from leanformer.engine.checkpoint import (
     CHECKPOINT_NAME,
     atomic_write_bytes,
@@ -62,6 +62,7 @@ from leanformer.engine.run_folder import (
 from leanformer.engine.schedule import param_groups, warmup_cosine
 from leanformer.errors import NonFiniteLossError
 from leanformer.models.query_budget import query_budget
+from leanformer.models.registry import model_info
 from leanformer.progress import progress_bar
 
 
@@ -160,12 +161,21 @@ def _build_teacher(cfg: RunConfig, info: Any, device: torch.device) -> nn.Module
     if cfg.train.teacher is None:
         return None
     source = cfg.train.teacher
+    teacher: nn.Module | None = None
     if Path(source).exists():  # a checkpoint file or a run folder
         teacher = load_model(source, device=device)
     elif "/" in source or Path(source).suffix:  # registered names have neither
         raise ValueError(f"teacher {source}: no such checkpoint file or run folder")
     else:
-        teacher, _ = build_model(source, {}, info)
+        model_info(source)  # an unknown name is refused as such, not as a misfit
+    try:
+        # Its inputs (one image or a pair), channels and classes: otherwise the first
+        # batch fails with an error about the student's inputs or a bare TypeError.
+        if teacher is None:
+            teacher, _ = build_model(source, {}, info)
+        check_model_fits(teacher, info)
+    except ValueError as err:
+        raise ValueError(f"teacher {source} does not fit the data: {err}") from None
     return teacher.to(device).eval().requires_grad_(False)
 
 
