@@ -86,3 +86,23 @@ def test_bad_inputs_are_refused_before_the_model_runs() -> None:
     # 12 x 4 multiply-adds per sample.
     assert count_gflops(Recorder(), (), forward_kwargs={"pixel_values": x}) == pytest.approx(48 / 1e9)
     assert measure_throughput(Recorder(), (), forward_kwargs={"pixel_values": x}, runs=1)["img_per_s"] > 0
+
+
+def test_matrix_vector_products_are_counted() -> None:
+    # FlopCounterMode has no formula for aten.mv; DRRT's additive relation score
+    # (tanh(...) @ w_g over [B, N, M, d]) dispatches to it and read cheaper than `dot`.
+    class ScoreByVector(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w  # [B, N, M, 8] @ [8]
+
+    x = torch.randn(2, 5, 6, 8)
+    assert count_gflops(ScoreByVector(), (x,)) == pytest.approx(5 * 6 * 8 / 1e9)
+    from leanformer import create_model
+
+    additive, dot = (create_model("drrt_test", relation=r) for r in ("additive", "dot"))
+    # The same pairwise work (a d-wide product per token pair), plus the additive form's projections.
+    assert count_gflops(additive, additive.example_inputs(2)) >= count_gflops(dot, dot.example_inputs(2))

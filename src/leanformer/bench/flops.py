@@ -3,7 +3,8 @@
 ``torch.utils.flop_counter.FlopCounterMode`` counts 2 FLOPs per multiply-add and, in
 torch 2.14, does not know the CPU fused attention kernel
 (``_scaled_dot_product_flash_attention_for_cpu``), so a DeiT-S would read 4.24 instead
-of 4.6 GMACs. We register the same formula torch uses for the CUDA flash kernel, and
+of 4.6 GMACs. We register the same formula torch uses for the CUDA flash kernel, a
+formula for matrix-vector products (``aten.mv``, which it does not count either), and
 count the distances the C++ K-Medoids iterations compute (which a counter of tensor
 operations cannot see) as the matrix products that compute them in the batched code.
 """
@@ -33,13 +34,22 @@ def _cpu_flash_backward(
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
+def _matrix_vector(matrix: Any, vector: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    # ``[M, N] @ [N]``: M dot products of length N. FlopCounterMode has no formula for
+    # aten.mv, which ``[..., d] @ [d]`` dispatches to (DRRT's additive relation score).
+    return 2 * matrix[0] * matrix[1]
+
+
 def _medoid_distance_work(xc: Any, distances: int, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     return 2 * distances * xc[-1]  # C multiply-adds per squared distance
 
 
 def _custom_mapping() -> dict[Any, Any]:
     # The K-Medoids kernel's own distance computations (leanformer.ops.kmedoids_native).
-    mapping: dict[Any, Any] = {torch.ops.leanformer.medoid_distance_work: _medoid_distance_work}
+    mapping: dict[Any, Any] = {
+        torch.ops.leanformer.medoid_distance_work: _medoid_distance_work,
+        aten.mv: _matrix_vector,
+    }
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_forward
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
