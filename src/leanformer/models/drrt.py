@@ -61,7 +61,9 @@ class DRRT(nn.Module):
         extractor_depth, num_heads, mlp_ratio: transformer blocks in each extractor.
         recurrence: local recurrence on the features (eqs. 1-2); False gives DRT.
         map_recurrence: recurrence on the relation maps (default: same as ``recurrence``).
-        rnn_hidden, rnn_act, rnn_out_act: hidden width and activations of the recurrences.
+        rnn_hidden, rnn_act, rnn_out_act: hidden width of the feature recurrences (default
+            ``D``), and activations of all recurrences; a relation-map recurrence's hidden
+            width is always the map's row length (the other side's token count).
         relation: pairwise score form, "additive" (default), "linear" (literal, degenerate)
             or "dot"; see :mod:`leanformer.layers.relation`.
         relation_dim: width of the score's projections (default ``D``).
