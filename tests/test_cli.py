@@ -263,3 +263,18 @@ def test_demo_perceiver_checks_its_options_before_training(
     assert main([*argv, *flags]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()  # nothing trained, nothing written
+
+
+@pytest.mark.parametrize("demo", ["deit", "drrt", "perceiver", "sret", "tokenpool"])
+def test_a_demo_refuses_a_folder_it_did_not_write(
+    demo: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Demos replace their runs on every run: `--out runs` used to replace the user's
+    # runs/sret_digits, which `train` itself refuses to overwrite.
+    user_run = tmp_path / "runs"
+    (user_run / "sret_digits").mkdir(parents=True)
+    (user_run / "sret_digits" / "last.safetensors").write_bytes(b"the user's")
+    assert main(["demo", demo, "--out", str(user_run)]) == 2
+    assert "holds files a demo did not write" in capsys.readouterr().err
+    assert (user_run / "sret_digits" / "last.safetensors").read_bytes() == b"the user's"
+    assert not (user_run / ".leanformer-demo").exists()

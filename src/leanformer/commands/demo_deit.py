@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from leanformer.commands._demo_out import claim_demo_folder
 from leanformer.commands._options import add_config_flags, config_flags_given
 
 COMMAND = ("demo", "deit")
+OUT = "runs/demo_deit"  # the default --out, a demo's own folder
 HELP = "train a small DeiT on the bundled digits and report accuracy, GFLOPs and img/s"
 
 
@@ -17,7 +19,9 @@ TRAINING = {"optim.epochs": 15}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser, *TRAINING, defaults=TRAINING)
-    parser.add_argument("--out", default="runs/demo_deit", help="run folder, replaced by every demo run")
+    parser.add_argument(
+        "--out", default=OUT, help="run folder, replaced by every demo run (default: %(default)s)"
+    )
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -36,6 +40,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             "device": args.device,
         },
     )
+    claim_demo_folder(Path(args.out), "deit", default=args.out == OUT)
     result = fit(cfg, out_dir=Path(args.out), progress=not args.quiet and not args.json, overwrite=True)
     row = {
         "demo": "deit",

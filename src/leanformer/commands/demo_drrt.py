@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from leanformer.bench.results import write_jsonl
+from leanformer.commands._demo_out import claim_demo_folder
 from leanformer.commands._options import add_config_flags, config_flags_given
 
 COMMAND = ("demo", "drrt")
+OUT = "runs/demo_drrt"  # the default --out, a demo's own folder
 HELP = "DRRT vs DRT vs single modalities vs fusion methods on the paired digits task (accuracy, params)"
 
 # key -> (registered model, inputs, recurrence, fusion)
@@ -42,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--limit-test", type=int, default=None, help="use the first N test pairs (smoke runs)"
     )
     parser.add_argument(
-        "--out", default="runs/demo_drrt", help="folder for results.jsonl and table.md (default: %(default)s)"
+        "--out", default=OUT, help="folder for results.jsonl and table.md (default: %(default)s)"
     )
 
 
@@ -56,6 +58,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise ValueError(
             f"unknown --models entry {unknown[0] if unknown else '(empty)'}; choose from {', '.join(RUNS)}"
         )
+    claim_demo_folder(Path(args.out), "drrt", default=args.out == OUT)
     verbose = not args.quiet and not args.json
     rows = []
     for key in keys:

@@ -14,9 +14,11 @@ from collections.abc import Sized
 from pathlib import Path
 from typing import Any, cast
 
+from leanformer.commands._demo_out import claim_demo_folder
 from leanformer.commands._options import add_config_flags, config_flags_given, float_list, int_list
 
 COMMAND = ("demo", "perceiver")
+OUT = "runs/demo_perceiver"  # the default --out, a demo's own folder
 HELP = "train the digits Visual Perceiver with and without Query Masking; print accuracy by K and DQS"
 
 DEFAULT_KS = "1,2,4,8,16,32,64"
@@ -46,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dqs-rule", default="any", choices=("any", "kept"), help="DQS rule (default: the paper's)"
     )
     parser.add_argument("--reps", type=int, default=5, help="random-subset repetitions (default 5)")
-    parser.add_argument("--out", default="runs/demo_perceiver", help="run folder, replaced by every demo run")
+    parser.add_argument(
+        "--out", default=OUT, help="run folder, replaced by every demo run (default: %(default)s)"
+    )
 
 
 def _config(args: argparse.Namespace, masking: bool) -> Any:
@@ -104,6 +108,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     ks = _check_before_training(args)
     out = Path(args.out)
+    claim_demo_folder(out, "perceiver", default=args.out == OUT)
     started = time.perf_counter()
     cfg, fixed = _train(args, False, out / "fixed")
     _, masked = _train(args, True, out / "query_masking")

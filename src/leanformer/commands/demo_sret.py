@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from leanformer.commands._demo_out import claim_demo_folder
 from leanformer.commands._options import add_config_flags, config_flags_given
 
 COMMAND = ("demo", "sret")
+OUT = "runs/demo_sret"  # the default --out, a demo's own folder
 HELP = "train a small sliced SReT, the same without slicing, and a DeiT on digits; compare them"
 
 # (model, what it is); the two SReTs share every weight shape, only the groups differ.
@@ -33,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out",
-        default="runs/demo_sret",
+        default=OUT,
         help="run folder (one sub-folder per model), replaced by every demo run",
     )
 
@@ -50,6 +52,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     notes = dict(MODELS)
     for name in names:
         model_info(name)  # unknown names fail here, before any training
+    claim_demo_folder(Path(args.out), "sret", default=args.out == OUT)
     rows = []
     for name in names:
         if not args.json and not args.quiet:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from leanformer.apps.gflops_budget import is_gflops_budget
+from leanformer.commands._demo_out import claim_demo_folder
 
 COMMAND = ("demo", "tokenpool")
 HELP = "compare every token-pooling method at several budgets (Fashion-MNIST if installed, else digits)"
@@ -148,7 +149,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     data = choose_data(getattr(args, "data", "auto"))
     cfg = sweep_config_from_dict(demo_config(args, data))
     default_out = "runs/demo_fashion" if data == "fashion_mnist" else "runs/demo_tokenpool"
-    out = Path(getattr(args, "out", None) or default_out)
+    given = getattr(args, "out", None)
+    out = Path(given or default_out)
+    claim_demo_folder(out, "tokenpool", default=given in (None, "runs/demo_fashion", "runs/demo_tokenpool"))
     result = run_sweep(cfg, out_dir=out, progress=not (args.quiet or args.json), overwrite=True)
     if not args.json:
         rows = summarise_seeds(result.rows)
