@@ -135,14 +135,18 @@ def test_resume_without_checkpoint_keeps_the_metrics(
 
 
 def test_perceiver_query_counts() -> None:
-    from leanformer.commands.perceiver_eval import _query_counts
+    from leanformer.apps.perceiver_eval import query_counts
+    from leanformer.commands.perceiver_eval import DEFAULT_KS, int_list
 
-    assert _query_counts(None, 8) == [1, 2, 4, 8]
-    assert _query_counts(None, 10) == [1, 2, 4, 8, 10]
-    assert _query_counts(None, 64) == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert _query_counts([3, 5], 8) == [3, 5]
+    default = int_list(DEFAULT_KS)
+    assert query_counts(None, 8, default) == [1, 2, 4, 8]
+    assert query_counts(None, 10, default) == [1, 2, 4, 8, 10]
+    assert query_counts(None, 64, default) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert query_counts([3, 5], 8, default) == [3, 5]
     with pytest.raises(ValueError, match=r"\[9\] exceed the model's 8 latent queries"):
-        _query_counts([1, 9], 8)
+        query_counts([1, 9], 8, default)
+    with pytest.raises(ValueError, match=r"query counts must be >= 1, got \[0, 2\]"):
+        query_counts([2, 0], 8, default)
 
 
 def test_perceiver_eval_rejects_too_many_queries(capsys: Capture) -> None:

@@ -142,7 +142,7 @@ def cost_by_k(
     model.eval()
     ks = check_ks(model, ks)
     # rel_time is against all Q queries (the paper's table 1), timed too when not asked.
-    full_k = int(model.num_queries)
+    full_k = query_budget(model, needed_by="the Perceiver tables")
     fns = {k: (lambda k=k: model(batch, num_queries=k)) for k in sorted({*ks, full_k})}
     with torch.inference_mode():
         seconds = time_interleaved(fns, warmup=warmup, runs=runs, progress=progress)

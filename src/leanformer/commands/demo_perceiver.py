@@ -86,7 +86,8 @@ def _check_before_training(args: argparse.Namespace) -> list[int]:
     if args.reps < 1:
         raise ValueError(f"--reps must be >= 1, got {args.reps}")
     cfg = _config(args, False)
-    model, _ = build_model(cfg.model, dict(cfg.model_options), build_split(cfg.data, "test").info)
+    info = build_split(cfg.data, "test").info  # type: ignore[attr-defined]
+    model, _ = build_model(cfg.model, dict(cfg.model_options), info)
     ks = query_counts(args.ks, query_budget(model, needed_by="demo perceiver"), int_list(DEFAULT_KS))
     for threshold in args.thresholds:
         check_threshold(threshold)

@@ -57,7 +57,8 @@ def hidden_width(dim: int, ratio: float, *, name: str = "mlp_ratio") -> int:
     """An MLP's hidden width ``int(dim * ratio)``, checked to be at least 1: timm's ``Mlp``
     reads a hidden width of 0 as "the input width", so a tiny ratio would silently build
     a full-width MLP."""
-    check_positive_number(**{name: ratio})
+    values: dict[str, object] = {name: ratio}
+    check_positive_number(**values)  # type: ignore[arg-type]  # the name is the caller's
     width = int(dim * ratio)
     if width < 1:
         raise ValueError(
