@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from leanformer.cli import build_parser, main
 
@@ -444,12 +445,21 @@ def test_tradeoff_refuses_timm_options_beside_a_checkpoint(tmp_path: Path, capsy
     assert "timm_options: only applies to timm_model:" in err
 
 
-def test_options_that_take_effect_are_still_accepted(tmp_path: Path, capsys: Capture) -> None:
+def test_options_that_take_effect_are_still_accepted(
+    tmp_path: Path, capsys: Capture, checkpoint: Path
+) -> None:
     perceiver = [*TRAIN[:2], "visual_perceiver_test", *TRAIN[3:], "--quiet"]
     argv = [*perceiver, "--query-masking", "--train.query_distribution", "log_uniform"]
     assert main([*argv, "--out", str(tmp_path / "qm")]) == 0
-    argv = [*TRAIN, "--teacher", "deit_test", "--distill-weight", "0.3", "--quiet"]
+    argv = [*TRAIN, "--teacher", str(checkpoint), "--distill-weight", "0.3", "--quiet"]
     assert main([*argv, "--out", str(tmp_path / "kd")]) == 0
+
+
+def test_a_teacher_named_without_shipped_weights_is_refused(tmp_path: Path, capsys: Capture) -> None:
+    # A frozen teacher built by name had random weights: it distilled noise, silently.
+    err = _error([*TRAIN, "--teacher", "deit_test", "--out", str(tmp_path / "kd")], capsys)
+    assert "teacher deit_test: a teacher given by name needs shipped weights (deit_fashion)" in err
+    assert not (tmp_path / "kd").exists()
 
 
 def test_tradeoff_name_cannot_leave_the_runs_folder(
@@ -592,6 +602,22 @@ def test_eval_of_shipped_weights_reads_the_data_they_were_trained_on(tmp_path: P
     assert "do not fit the options or data given (they were trained on fashion_mnist)" in err
 
 
+def test_eval_on_training_images_reads_them_without_augmentation(tmp_path: Path, capsys: Capture) -> None:
+    # A run trained with augmentation keeps `augment: true` in its data config: eval on
+    # its training split used to shift and flip the images, differently every time.
+    from test_fashion_mnist import write_fashion
+
+    write_fashion(tmp_path, n_train=24)
+    argv = ["eval", "--model", "deit_fashion", "--pretrained", "--data-root", str(tmp_path), "--json"]
+    argv += ["--split", "train", "--data.options.augment", "true"]
+    losses = []
+    for _ in range(2):
+        assert main(argv) == 0
+        losses.append(_rows(capsys)[0]["loss"])
+    assert main([*argv[:-2], "--data.options.augment", "false"]) == 0
+    assert losses == [losses[0], _rows(capsys)[0]["loss"]]
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
@@ -658,23 +684,23 @@ def test_a_checkpoint_on_data_of_other_channels(checkpoint: Path, capsys: Captur
     assert "deit_test takes images of 1 channel(s), but the data gives 3" in err
 
 
-@pytest.mark.parametrize("seed", ["99999999999999999999", str(2**46 + 1), str(-(2**46) - 1)])
+@pytest.mark.parametrize("seed", ["99999999999999999999", str(2**32), "-1"])
 def test_seeds_out_of_range_name_the_flag(seed: str, tmp_path: Path, capsys: Capture) -> None:
-    """Larger seeds overflowed inside torch (the sampler seeds epochs with seed * 100_003)."""
+    """torch's generator keeps 32 bits: seed 2^32 ran as seed 0, and -1 as 2^32 - 1."""
     err = _usage_error([*TRAIN, "--seed", seed, "--out", str(tmp_path / "run")], capsys)
-    assert f"argument --seed: the seed must be an integer from -2^46 to 2^46, got {seed}" in err
+    assert f"argument --seed: the seed must be an integer from 0 to 2^32 - 1, got {seed}" in err
     config = tmp_path / "seed.yaml"
     config.write_text(f"seed: {seed}\n")
     err = _error([*TRAIN, "--config", str(config), "--out", str(tmp_path / "run")], capsys)
-    assert f"seed must be an integer from -2^46 to 2^46, got {seed}" in err
+    assert f"seed must be an integer from 0 to 2^32 - 1, got {seed}" in err
     assert not (tmp_path / "run").exists()
     sweep = tmp_path / "sweep.yaml"
     sweep.write_text(f"model: deit_test\nseed: {seed}\nbudgets: [0.5]\n")
     err = _error(["tradeoff", "--config", str(sweep), "--out", str(tmp_path / "sweep")], capsys)
-    assert f"seed must be an integer from -2^46 to 2^46, got {seed}" in err
+    assert f"seed must be an integer from 0 to 2^32 - 1, got {seed}" in err
 
 
-@pytest.mark.parametrize("seed", [str(-1), str(2**46)])
+@pytest.mark.parametrize("seed", ["0", str(2**32 - 1)])
 def test_seeds_at_the_ends_of_the_range_train(seed: str, tmp_path: Path) -> None:
     assert main([*TRAIN, "--seed", seed, "--out", str(tmp_path / "run"), "--quiet"]) == 0
 
@@ -721,11 +747,59 @@ def test_a_checkpoint_with_fewer_class_scores_than_the_data_is_refused(
 def test_a_teacher_that_takes_other_inputs_is_refused_naming_it(
     tmp_path: Path, capsys: Capture, checkpoint: Path
 ) -> None:
-    # A pair model teaching an image model (and the reverse, from a checkpoint) used to
-    # fail on the first batch with the student's input error or a bare TypeError.
-    err = _error([*TRAIN, "--teacher", "drrt_test", "--out", str(tmp_path / "a")], capsys)
-    assert "teacher drrt_test does not fit the data: drrt_test takes a pair of inputs" in err
+    # An image model teaching a pair model used to fail on the first batch with a bare
+    # TypeError (and a pair model teaching an image model, with the student's input error).
     pairs = ["train", "--model", "drrt_test", "--data", "digits_pairs", "--epochs", "1"]
     err = _error([*pairs, "--teacher", str(checkpoint), "--out", str(tmp_path / "b")], capsys)
     assert f"teacher {checkpoint} does not fit the data" in err and "takes one image" in err
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not (tmp_path / "b").exists()
+
+
+def test_resume_refuses_a_config_file(tmp_path: Path, capsys: Capture, checkpoint: Path) -> None:
+    # A file replaced the saved config: the seed and every setting not repeated changed.
+    config = tmp_path / "c.yaml"
+    config.write_text("model: deit_test\n")
+    err = _error(["train", "--config", str(config), "--resume", "--out", str(checkpoint.parent)], capsys)
+    assert "--resume continues with the run's own config.yaml" in err
+
+
+def test_resuming_a_finished_run_leaves_its_config(tmp_path: Path, capsys: Capture) -> None:
+    run = tmp_path / "run"
+    assert main([*TRAIN, "--out", str(run), "--quiet"]) == 0
+    saved = (run / "config.yaml").read_text()
+    assert main(["train", "--resume", "--out", str(run), "--batch-size", "8", "--quiet"]) == 0
+    assert (run / "config.yaml").read_text() == saved  # nothing trained with batch 8
+
+
+def test_a_bad_query_distribution_does_not_clear_the_run_it_would_replace(
+    tmp_path: Path, capsys: Capture
+) -> None:
+    perceiver = ["train", "--model", "visual_perceiver_test", "--batch-size", "16"]
+    perceiver += ["--data.limit_train", "32", "--data.limit_test", "16", "--epochs", "1", "--quiet"]
+    run = tmp_path / "run"
+    assert main([*perceiver, "--out", str(run)]) == 0
+    before = sorted(p.name for p in run.iterdir())
+    argv = [*perceiver, "--query-masking", "--train.query_distribution", "unifrom", "--overwrite"]
+    err = _error([*argv, "--out", str(run)], capsys)
+    assert "unknown train.query_distribution 'unifrom'" in err
+    assert sorted(p.name for p in run.iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("optim: {warmup_epochs: .inf}", "optim.warmup_epochs must be a finite number >= 0, got inf"),
+        ("optim: {weight_decay: .nan}", "optim.weight_decay must be a finite number >= 0, got nan"),
+        ("train: {grad_clip: .nan}", "train.grad_clip must be a finite number > 0 or none, got nan"),
+        ("device: cuda:7", "device cuda:7: no cuda device is available"),
+    ],
+)
+def test_config_file_values_get_the_checks_flags_get(
+    text: str, message: str, tmp_path: Path, capsys: Capture
+) -> None:
+    if "cuda" in text and torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: deit_test\n{text}\n")
+    err = _error(["train", "--config", str(config), "--out", str(tmp_path / "run"), "--quiet"], capsys)
+    assert message in err

@@ -61,3 +61,12 @@ def test_two_processes_match_one(tmp_path: Path) -> None:
     assert ddp["top1"] == pytest.approx(single["top1"], abs=1e-6)
     assert ddp["train_loss"] == pytest.approx(single["train_loss"], rel=1e-4)
     assert ddp["test_loss"] == pytest.approx(single["test_loss"], rel=1e-4)
+    # The single-process run holds one random state: two processes cannot resume it
+    # (rank 1 used to fail with an IndexError, rank 0 on the lost connection).
+    resume = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29518"]
+    resume += ["-m", "leanformer.cli", "train", "--resume", "--epochs", "3", "--out", "single", "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(resume, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert done.returncode != 0
+    assert "the run in single was trained by 1 process(es)" in done.stderr
+    assert len((tmp_path / "single" / "metrics.jsonl").read_text().splitlines()) == 2  # untouched

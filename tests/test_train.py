@@ -56,6 +56,15 @@ def test_resume_refuses_other_model(tmp_path: Path) -> None:
         fit(other, out_dir=tmp_path, progress=False, resume=True)
 
 
+def test_resume_refuses_another_seed(tmp_path: Path) -> None:
+    # The result of a resumed run equals an uninterrupted one only with the run's own seed.
+    cfg = load_config(None, {**QUICK, "optim.epochs": "2", "seed": "3"})
+    fit(cfg, out_dir=tmp_path, progress=False, stop_after_epochs=1)
+    other = load_config(None, {**QUICK, "optim.epochs": "2", "seed": "4"})
+    with pytest.raises(ValueError, match="the run was seeded with 3, not 4"):
+        fit(other, out_dir=tmp_path, progress=False, resume=True)
+
+
 class _Explodes(nn.Module):
     """Finite for the first ``good_steps`` training calls, then NaN."""
 

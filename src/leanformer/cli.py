@@ -20,6 +20,7 @@ import torch
 from leanformer import __version__
 from leanformer.allocator import configure_allocator
 from leanformer.commands import add_common_arguments, discover
+from leanformer.device import check_device
 from leanformer.errors import NonFiniteLossError, UnverifiedCheckpointWarning
 from leanformer.layers.budgets import KeepSchedule
 
@@ -130,23 +131,6 @@ def _file_in_the_way(filename: object) -> str | None:
         if candidate.exists():
             return str(candidate) if candidate.is_file() else None
     return None
-
-
-def check_device(device: str) -> None:
-    """A clear error for a device string torch cannot parse or this machine does not have."""
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device {device!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if dev.type == "cpu":
-        return
-    module = getattr(torch, dev.type, None)
-    available = getattr(module, "is_available", None)
-    if available is None or not available():
-        raise ValueError(f"--device {device}: no {dev.type} device is available on this machine")
-    count = getattr(module, "device_count", None)
-    if dev.index is not None and count is not None and dev.index >= count():
-        raise ValueError(f"--device {device}: this machine has {count()} {dev.type} device(s)")
 
 
 def main(argv: list[str] | None = None) -> int:

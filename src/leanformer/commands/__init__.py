@@ -60,7 +60,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, *, inherit: bool = Fal
         "--seed",
         type=argument_type(seed_argument),
         default=default(0),
-        help="random seed, an integer from -2^46 to 2^46 (default: 0)",
+        help="random seed, an integer from 0 to 2^32 - 1 (default: 0)",
     )
     parser.add_argument(
         "--threads", type=int, default=default(None), help="torch intra-op threads (default: torch's)"

@@ -37,7 +37,7 @@ def load_perceiver(args: argparse.Namespace, *, split: str, command: str) -> tup
     else:
         raise ValueError("give --checkpoint PATH (a trained Visual Perceiver) or --model NAME")
     query_budget(model, needed_by=command)
-    dataset = build_split(cfg.data, split)
+    dataset = build_split(cfg.data, split, evaluation=True)
     info = dataset.info  # type: ignore[attr-defined]
     check_model_fits(model, info)
     return model.to(args.device).eval(), dataset

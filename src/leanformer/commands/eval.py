@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from leanformer.engine.evaluate import evaluate
 
     cfg, model = _config(args)
-    dataset = build_split(cfg.data, args.split)
+    dataset = build_split(cfg.data, args.split, evaluation=True)
     info = dataset.info  # type: ignore[attr-defined]
     check_model_fits(model, info)
     kept: list[torch.Tensor] = []

@@ -73,9 +73,19 @@ def build_config(args: argparse.Namespace, saved_config: Path | None = None) -> 
 
 
 def _saved_config(args: argparse.Namespace) -> Path | None:
-    """``--resume`` without ``--config``: the run folder's own ``config.yaml``."""
-    if not args.resume or args.config is not None:
+    """``--resume``: the run folder's own ``config.yaml``.
+
+    A config file beside ``--resume`` is refused: it would replace the saved config, and
+    with it the run's seed and every setting not repeated (the result would no longer
+    equal an uninterrupted run). Changes go in as flags, over the saved config.
+    """
+    if not args.resume:
         return None
+    if args.config is not None:
+        raise ValueError(
+            "--resume continues with the run's own config.yaml: give changes as flags "
+            "(--epochs 20, --optim.epochs 20), not --config"
+        )
     if args.out is None:
         raise ValueError("--resume needs --out, the folder of the run to continue")
     saved = Path(args.out) / "config.yaml"

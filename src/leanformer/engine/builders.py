@@ -40,8 +40,14 @@ def dataset_options(data: DataConfig) -> dict[str, Any]:
     return options
 
 
-def build_split(data: DataConfig, split: str) -> Dataset:
-    dataset = build_dataset(data.name, split=split, **dataset_options(data))
+def build_split(data: DataConfig, split: str, *, evaluation: bool = False) -> Dataset:
+    """The ``split`` of ``data``; ``evaluation``: without training-time augmentation, so
+    evaluating a run trained with it on its training images reads the images themselves,
+    the same every time."""
+    options = dataset_options(data)
+    if evaluation and options.get("augment"):
+        options["augment"] = False
+    dataset = build_dataset(data.name, split=split, **options)
     limit = data.limit_train if split == "train" else data.limit_test
     return dataset if limit is None else LimitedDataset(dataset, limit)
 

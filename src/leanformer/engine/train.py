@@ -36,6 +36,7 @@ from leanformer.config import (
     to_dict,
 )
 from leanformer.data.loaders import eval_loader, train_loader
+from leanformer.device import check_device
 from leanformer.engine.builders import build_model, build_split, check_model_fits
 from leanformer.engine.checkpoint import (
     CHECKPOINT_NAME,
@@ -48,7 +49,7 @@ from leanformer.engine.distill import soft_cross_entropy
 from leanformer.engine.distributed import DistInfo, barrier, cleanup_distributed, setup_distributed
 from leanformer.engine.evaluate import call_model, evaluate, to_device
 from leanformer.engine.folder_lock import is_main_process, locked_folder
-from leanformer.engine.query_masking import sample_num_queries
+from leanformer.engine.query_masking import QUERY_DISTRIBUTIONS, sample_num_queries
 from leanformer.engine.run_folder import (
     CONFIG_NAME,
     check_new_run_folder,
@@ -61,6 +62,7 @@ from leanformer.engine.run_folder import (
 )
 from leanformer.engine.schedule import param_groups, warmup_cosine
 from leanformer.errors import NonFiniteLossError
+from leanformer.models.pretrained import shipped_models
 from leanformer.models.query_budget import query_budget
 from leanformer.models.registry import model_info
 from leanformer.progress import progress_bar
@@ -81,6 +83,7 @@ _LARGEST_RATE = torch.finfo(torch.float32).max
 def _validate(cfg: RunConfig) -> None:
     o, t, d = cfg.optim, cfg.train, cfg.data
     check_seed(cfg.seed)
+    check_device(cfg.device, source="device")  # a config file's (the flag is checked on its own)
     if o.epochs < 1:
         raise ValueError(f"optim.epochs must be >= 1, got {o.epochs}")
     if o.lr <= 0:
@@ -92,16 +95,22 @@ def _validate(cfg: RunConfig) -> None:
     # A negative floor or decay would silently turn descent into ascent for some steps.
     if o.min_lr < 0:
         raise ValueError(f"optim.min_lr must be >= 0, got {o.min_lr}")
-    if o.weight_decay < 0:
-        raise ValueError(f"optim.weight_decay must be >= 0, got {o.weight_decay}")
-    if o.warmup_epochs < 0:
-        raise ValueError(f"optim.warmup_epochs must be >= 0, got {o.warmup_epochs}")
+    # `not x >= 0` also refuses NaN, which a config file's `.nan` gives (a flag refuses it).
+    if not (o.weight_decay >= 0 and math.isfinite(o.weight_decay)):
+        raise ValueError(f"optim.weight_decay must be a finite number >= 0, got {o.weight_decay}")
+    if not (o.warmup_epochs >= 0 and math.isfinite(o.warmup_epochs)):
+        raise ValueError(f"optim.warmup_epochs must be a finite number >= 0, got {o.warmup_epochs}")
     if d.eval_batch_size < 1:
         raise ValueError(f"data.eval_batch_size must be >= 1, got {d.eval_batch_size}")
     if not 0.0 <= t.label_smoothing < 1.0:
         raise ValueError(f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
-    if t.grad_clip is not None and t.grad_clip <= 0:
-        raise ValueError(f"train.grad_clip must be > 0 or none, got {t.grad_clip}")
+    if t.grad_clip is not None and not (t.grad_clip > 0 and math.isfinite(t.grad_clip)):
+        raise ValueError(f"train.grad_clip must be a finite number > 0 or none, got {t.grad_clip}")
+    if t.query_distribution not in QUERY_DISTRIBUTIONS:  # before --overwrite clears anything
+        raise ValueError(
+            f"unknown train.query_distribution {t.query_distribution!r}; "
+            f"choose one of {', '.join(QUERY_DISTRIBUTIONS)}"
+        )
     if not (math.isfinite(t.distill_tau) and t.distill_tau > 0):
         raise ValueError(f"train.distill_tau must be a finite number > 0, got {t.distill_tau}")
     if not 0.0 <= t.distill_weight <= 1.0:
@@ -168,11 +177,18 @@ def _build_teacher(cfg: RunConfig, info: Any, device: torch.device) -> nn.Module
         raise ValueError(f"teacher {source}: no such checkpoint file or run folder")
     else:
         model_info(source)  # an unknown name is refused as such, not as a misfit
+        # A teacher is frozen: one by name is only worth its shipped weights (random
+        # ones would distil noise).
+        if source not in shipped_models():
+            raise ValueError(
+                f"teacher {source}: a teacher given by name needs shipped weights "
+                f"({', '.join(shipped_models()) or 'none ship'}); give a trained checkpoint or run folder"
+            )
     try:
         # Its inputs (one image or a pair), channels and classes: otherwise the first
         # batch fails with an error about the student's inputs or a bare TypeError.
         if teacher is None:
-            teacher, _ = build_model(source, {}, info)
+            teacher, _ = build_model(source, {}, info, pretrained=True)
         check_model_fits(teacher, info)
     except ValueError as err:
         raise ValueError(f"teacher {source} does not fit the data: {err}") from None
@@ -383,10 +399,22 @@ def _fit(
                     f"resume: Query Masking cannot change in a resumed run ({', '.join(switched)}); "
                     "train a new run (another --out) to change it"
                 )
+            saved_seed = ckpt.meta.get("config", {}).get("seed", cfg.seed)
+            if saved_seed != cfg.seed:
+                raise ValueError(
+                    f"resume: the run was seeded with {saved_seed}, not {cfg.seed}; a run keeps its seed"
+                )
+            # One random state per process of the run; every rank checks, so all stop.
+            saved_states = ckpt.extra["torch_rng"]
+            if dist_info.world_size > len(saved_states):
+                raise ValueError(
+                    f"resume: the run in {out} was trained by {len(saved_states)} process(es), which "
+                    f"hold its random states: resume it with at most that many, not {dist_info.world_size}"
+                )
             model.load_state_dict(ckpt.model_state)
             optimizer.load_state_dict(ckpt.optimizer_state)  # type: ignore[arg-type]
             scheduler.load_state_dict(ckpt.scheduler_state)  # type: ignore[arg-type]
-            torch.set_rng_state(ckpt.extra["torch_rng"][dist_info.rank])
+            torch.set_rng_state(saved_states[dist_info.rank])
             if query_gen is not None:
                 query_gen.set_state(ckpt.extra["query_rng"])
             start_epoch = int(ckpt.meta["epoch"])
@@ -401,7 +429,11 @@ def _fit(
             return start_epoch == 0 and not history
 
         try:
-            if out is not None and dist_info.is_main:
+            end_epoch = cfg.optim.epochs
+            if stop_after_epochs is not None:
+                end_epoch = min(end_epoch, start_epoch + stop_after_epochs)
+            if out is not None and dist_info.is_main and end_epoch > start_epoch:
+                # Not for a finished run resumed (nothing trains): its config describes it.
                 _write_config(out, cfg, model_options)
             train_model: nn.Module = model
             if dist_info.enabled:
@@ -409,9 +441,6 @@ def _fit(
                     model, device_ids=[device.index] if device.type == "cuda" else None
                 )
 
-            end_epoch = cfg.optim.epochs
-            if stop_after_epochs is not None:
-                end_epoch = min(end_epoch, start_epoch + stop_after_epochs)
             show = progress and dist_info.is_main
             metrics: dict[str, float] = history[-1] if history else {}
             epochs = progress_bar(range(start_epoch, end_epoch), desc="epochs", show=show)
