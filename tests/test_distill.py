@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,18 +65,17 @@ def test_bad_inputs_raise() -> None:
         soft_cross_entropy(torch.zeros(3), torch.zeros(3))
 
 
-def test_engine_trains_sret_with_a_registered_teacher() -> None:
+def test_engine_trains_sret_with_a_trained_teacher(tmp_path: Path) -> None:
     from leanformer.config import load_config
     from leanformer.engine.train import fit
 
+    data = {"data.limit_train": 32, "data.batch_size": 16, "data.limit_test": 32, "optim.epochs": 1}
+    fit(load_config(None, {"model": "deit_test", **data}), out_dir=tmp_path / "teacher", progress=False)
     overrides = {
         "model": "sret_test",
-        "train.teacher": "deit_test",
+        "train.teacher": str(tmp_path / "teacher"),
         "train.distill_weight": 1.0,  # the paper's scheme: soft labels only
-        "data.limit_train": 32,
-        "data.batch_size": 16,
-        "data.limit_test": 32,
-        "optim.epochs": 1,
+        **data,
         "train.checkpoint": False,
     }
     result = fit(load_config(None, overrides), progress=False)

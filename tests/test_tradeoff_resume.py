@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from leanformer.apps import tradeoff
 from leanformer.apps.sweep_config import sweep_config_from_dict
@@ -92,3 +93,75 @@ def test_resume_and_overwrite_together_are_a_usage_error(capsys: pytest.CaptureF
         main(["tradeoff", "--preset", "tradeoff_digits", "--resume", "--overwrite"])
     assert exit_.value.code == 2
     assert "argument --overwrite: not allowed with argument --resume" in capsys.readouterr().err
+
+
+def test_resume_refuses_rows_of_another_thread_count_and_mends_an_unterminated_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = sweep_config_from_dict({**SWEEP, "finetune_epochs": 0, "methods": ["merge"], "seeds": 1})
+    run_sweep(cfg, out_dir=tmp_path, progress=False, base=untrained_deit_test())
+    results = tmp_path / "results.jsonl"
+    first = results.read_text().splitlines()[0]
+    # A whole row whose newline the interruption cut: the next row must start a line.
+    results.write_text(first)
+    run_sweep(cfg, out_dir=tmp_path, progress=False, base=untrained_deit_test(), resume=True)
+    assert [json.loads(line)["method"] for line in results.read_text().splitlines()] == ["none", "merge"]
+    # Timings of another thread count would make bogus speedups against the rows kept.
+    results.write_text(first + "\n")
+    threads = tradeoff.torch.get_num_threads()
+    monkeypatch.setattr(tradeoff.torch, "get_num_threads", lambda: threads + 1)
+    with pytest.raises(ValueError, match=f"measured with {threads} thread.*--threads {threads}"):
+        run_sweep(cfg, out_dir=tmp_path, progress=False, base=untrained_deit_test(), resume=True)
+
+
+def test_resume_refuses_a_replaced_base_checkpoint(tmp_path: Path) -> None:
+    from leanformer.engine.checkpoint import save_checkpoint
+
+    checkpoint = tmp_path / "base.safetensors"
+    meta = {"model_name": "deit_test", "model_options": {"img_size": 16, "in_chans": 1, "num_classes": 10}}
+    save_checkpoint(checkpoint, model=untrained_deit_test(), meta={**meta, "epoch": 1})
+    cfg = sweep_config_from_dict(
+        {**{k: v for k, v in SWEEP.items() if k != "model"}, "checkpoint": str(checkpoint)}
+        | {"finetune_epochs": 0, "methods": ["merge"], "seeds": 1}
+    )
+    run_sweep(cfg, out_dir=tmp_path / "sweep", progress=False)
+    other = untrained_deit_test()
+    with torch.no_grad():
+        next(other.parameters()).add_(1.0)
+    save_checkpoint(checkpoint, model=other, meta={**meta, "epoch": 1})
+    with pytest.raises(ValueError, match=r"other settings \(checkpoint_sha256\)"):
+        run_sweep(cfg, out_dir=tmp_path / "sweep", progress=False, resume=True)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"pool_options": {"seed": 5}}, "pool_options: seed is set per point by the sweep"),
+        ({"device": "nonsense"}, "device 'nonsense' is not a torch device"),
+    ],
+)
+def test_sweep_options_that_would_be_ignored_or_fail_late_are_refused(change: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        sweep_config_from_dict({**SWEEP, "methods": ["random"], **change})
+
+
+def test_overwrite_keeps_the_old_sweep_when_fine_tuning_cannot_start(tmp_path: Path) -> None:
+    cfg = sweep_config_from_dict({**SWEEP, "finetune_epochs": 0, "methods": ["merge"], "seeds": 1})
+    run_sweep(cfg, out_dir=tmp_path, progress=False, base=untrained_deit_test())
+    before = sorted(p.name for p in tmp_path.iterdir())
+    tiny = sweep_config_from_dict(
+        {**SWEEP, "methods": ["merge"], "seeds": 1, "data": {**DATA, "limit_train": 8}}
+    )
+    with pytest.raises(ValueError, match="smaller than one batch"):
+        run_sweep(tiny, out_dir=tmp_path, progress=False, base=untrained_deit_test(), overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_points_are_checked_on_the_architecture_train_builds(tmp_path: Path) -> None:
+    # The probe ignored train.model_options: a 3-entry schedule passed the check on the
+    # 3-block deit_test, then failed on the trained 2-block base, after training it.
+    sweep = {**SWEEP, "finetune_epochs": 0, "methods": ["merge"], "seeds": 1, "budgets": [[8, 4, 2]]}
+    sweep["train"] = {"model_options": {"depth": 2}, "optim": {"epochs": 1}}
+    with pytest.raises(ValueError, match="3 entries but the model has 2 blocks"):
+        run_sweep(sweep_config_from_dict(sweep), out_dir=tmp_path / "sweep", progress=False)
+    assert not (tmp_path / "sweep").exists()

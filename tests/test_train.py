@@ -156,7 +156,7 @@ def test_cli_resume_uses_the_run_config(tmp_path: Path, capsys: pytest.CaptureFi
     [
         ({"model_options.num_classes": "5"}, "the model gives 5 class scores, but the data has 10 classes"),
         (
-            {"model_options.num_classes": "12", "train.teacher": "deit_test"},
+            {"model_options.num_classes": "12", "train.teacher": "TEACHER"},
             "student and teacher logits differ",
         ),
     ],
@@ -166,6 +166,9 @@ def test_a_model_or_teacher_that_does_not_fit_the_data_is_refused_before_writing
 ) -> None:
     """A batch without the highest labels passes cross-entropy, so the class count is checked
     up front; either mismatch used to fail mid-epoch, leaving a folder that blocked re-runs."""
+    if overrides.get("train.teacher") == "TEACHER":  # a trained 10-class teacher
+        fit(load_config(None, {**QUICK, "optim.epochs": "1"}), out_dir=tmp_path / "teacher", progress=False)
+        overrides = {**overrides, "train.teacher": str(tmp_path / "teacher")}
     out = tmp_path / "run"
     with pytest.raises(ValueError, match=message):
         fit(load_config(None, {**QUICK, **overrides}), out_dir=out, progress=False)

@@ -18,6 +18,7 @@ from leanformer.apps.gflops_budget import (
     parse_gflops_text,
 )
 from leanformer.config import DataConfig, check_seed, comma_list, flag, from_dict, read_yaml_mapping
+from leanformer.device import check_device
 from leanformer.layers.budgets import parse_keep
 from leanformer.layers.token_pooling import METHODS, list_methods, pooling_method
 from leanformer.models.pretrained import model_card
@@ -143,6 +144,9 @@ def validate(cfg: SweepConfig) -> None:
     stray = sorted(set(cfg.pool_options) - accepted)
     if stray:
         raise ValueError(f"pool_options {', '.join(stray)} are not options of any requested method")
+    if "seed" in cfg.pool_options:
+        # Every point draws from its own seed (seed:, seeds:): a fixed one would be replaced.
+        raise ValueError("pool_options: seed is set per point by the sweep; give seed: (and seeds:) instead")
     for r in tome_rs(cfg):
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ValueError(f"tome_r: must hold integers >= 1 (tokens removed per block), got {r!r}")
@@ -165,6 +169,7 @@ def validate(cfg: SweepConfig) -> None:
             "finetune_epochs must be >= 0, seeds, throughput_runs and throughput_batch_size >= 1"
         )
     check_seed(cfg.seed)
+    check_device(cfg.device, source="device")
     if cfg.pretrained:
         model_card(cfg.model)  # type: ignore[arg-type]
 

@@ -49,11 +49,12 @@ from leanformer.bench.throughput import measure_throughput
 from leanformer.config import RunConfig, from_dict
 from leanformer.data.loaders import eval_loader, train_loader
 from leanformer.engine.builders import build_model, build_split
-from leanformer.engine.checkpoint import load_model
+from leanformer.engine.checkpoint import load_model, resolve_checkpoint
 from leanformer.engine.evaluate import evaluate
 from leanformer.engine.folder_lock import locked_folder
 from leanformer.engine.run_folder import clear_run
 from leanformer.engine.train import fit
+from leanformer.models.pretrained import file_sha256
 from leanformer.models.registry import model_info
 from leanformer.patch.api import adapt, apply_token_pooling, is_patched, remove_token_pooling
 from leanformer.patch.timm import create_timm_model
@@ -230,6 +231,19 @@ def _config_json(cfg: SweepConfig) -> dict[str, Any]:
     return json.loads(json.dumps(asdict(cfg), default=str))
 
 
+BASE_DIGEST = "checkpoint_sha256"
+
+
+def sweep_record(cfg: SweepConfig) -> dict[str, Any]:
+    """What ``sweep.json`` holds: the config and, for a ``checkpoint:`` base, its file's
+    digest, so that ``--resume`` refuses a checkpoint replaced in between (its points
+    would be measured on another model than the rows already written)."""
+    record = _config_json(cfg)
+    if cfg.checkpoint:
+        record[BASE_DIGEST] = file_sha256(resolve_checkpoint(cfg.checkpoint))
+    return record
+
+
 def measured_rows(out: Path, cfg: SweepConfig) -> list[dict[str, Any]]:
     """The rows an interrupted sweep in ``out`` measured, for ``--resume``.
 
@@ -239,7 +253,9 @@ def measured_rows(out: Path, cfg: SweepConfig) -> list[dict[str, Any]]:
     stored_path = out / "sweep.json"
     if not stored_path.is_file():
         raise ValueError(f"{out} holds no sweep to resume (no sweep.json); run it without --resume")
-    stored, current = json.loads(stored_path.read_text()), _config_json(cfg)
+    stored, current = json.loads(stored_path.read_text()), sweep_record(cfg)
+    if BASE_DIGEST not in stored:  # written before the digest was recorded
+        current.pop(BASE_DIGEST, None)
     changed = sorted(k for k in stored.keys() | current.keys() if stored.get(k) != current.get(k))
     if changed:
         raise ValueError(
@@ -258,6 +274,8 @@ def measured_rows(out: Path, cfg: SweepConfig) -> list[dict[str, Any]]:
                 raise ValueError(f"{path}, line {number}: not a result row; the file is damaged") from None
             path.write_text("".join(lines[:-1]))  # the write the interruption cut short
             continue
+        if number == len(lines) and not line.endswith("\n"):
+            path.write_text("".join(lines) + "\n")  # whole but unterminated: appends start a line
         # A row of another sweep (a file copied or joined in by hand) would stand in the
         # table for a point this sweep never measured.
         key = (row.get("method"), row.get("keep"), row.get("seed")) if isinstance(row, dict) else None
@@ -267,6 +285,14 @@ def measured_rows(out: Path, cfg: SweepConfig) -> list[dict[str, Any]]:
                 "results.jsonl, or replace it with --overwrite"
             )
         rows.append(row)
+    now = torch.get_num_threads()
+    threads = sorted({int(row["threads"]) for row in rows if "threads" in row} - {now})
+    if threads:
+        # img/s and speedups compare only at one thread count.
+        raise ValueError(
+            f"{path} was measured with {', '.join(map(str, threads))} thread(s), this run has {now}: "
+            f"resume it with --threads {threads[0]}, or replace it with --overwrite"
+        )
     return rows
 
 
@@ -283,7 +309,9 @@ def untrained_base_model(cfg: SweepConfig, *, pretrained: bool = False) -> nn.Mo
     assert cfg.model is not None
     info = build_split(cfg.data, "test").info  # type: ignore[attr-defined]
     torch.manual_seed(cfg.seed)  # the untrained weights a sweep without train: evaluates
-    return build_model(cfg.model, {}, info, pretrained=pretrained)[0]
+    # The architecture train: builds (its model_options), so the points are checked on it.
+    options = dict(base_run_config(cfg).model_options) if cfg.train else {}
+    return build_model(cfg.model, options, info, pretrained=pretrained)[0]
 
 
 def check_points(cfg: SweepConfig, base: nn.Module) -> None:
@@ -421,22 +449,23 @@ def _run_sweep(
     # GFLOPs budgets are solved for the points still to measure (none left: none solved).
     pending = [(method, keep) for (method, keep, _), _ in todo if method not in (BASELINE, TOME)]
     schedules = solve_gflops_budgets(cfg, probe, batch[:4], points=pending, progress=progress)
+    # Built now: data too small for a fine-tuning batch fails before --overwrite clears.
+    tune_loader = (
+        train_loader(build_split(cfg.data, "train"), batch_size=cfg.data.batch_size, seed=cfg.seed)
+        if cfg.finetune_epochs
+        else None
+    )
     if out is not None and not resume:
         _clear_sweep_folder(out)
         out.mkdir(parents=True, exist_ok=True)
         # Written first, so that an interrupted sweep can be resumed (and checked) later.
-        (out / "sweep.json").write_text(json.dumps(_config_json(cfg), indent=2) + "\n")
+        (out / "sweep.json").write_text(json.dumps(sweep_record(cfg), indent=2) + "\n")
     if base is None:
         base = load_base_model(cfg, out_dir=out, progress=progress, resume=resume)
     base = base.to(cfg.device).eval()
     if trains_base:
         # Solved again on the trained weights: a clustering's cost can depend on them.
         schedules = solve_gflops_budgets(cfg, base, batch[:4], points=pending, progress=progress)
-    tune_loader = (
-        train_loader(build_split(cfg.data, "train"), batch_size=cfg.data.batch_size, seed=cfg.seed)
-        if cfg.finetune_epochs
-        else None
-    )
     jsonl = (out / "results.jsonl").open("a" if resume else "w") if out is not None else None
     try:
         bar = progress_bar(todo, desc=f"sweep {cfg.name}", show=progress)
