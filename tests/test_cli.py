@@ -278,3 +278,21 @@ def test_a_demo_refuses_a_folder_it_did_not_write(
     assert "holds files a demo did not write" in capsys.readouterr().err
     assert (user_run / "sret_digits" / "last.safetensors").read_bytes() == b"the user's"
     assert not (user_run / ".leanformer-demo").exists()
+
+
+def test_a_demo_s_default_folder_is_its_own_however_spelled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A folder an older version of the demo wrote (no mark) is the demo's at its default
+    # path, whether given as runs/demo_deit, ./runs/demo_deit or runs/demo_deit/.
+    from leanformer.commands._demo_out import MARK, claim_demo_folder
+
+    monkeypatch.chdir(tmp_path)
+    for spelling in ("runs/demo_deit", "./runs/demo_deit", "runs/demo_deit/"):
+        (tmp_path / "runs" / "demo_deit").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "runs" / "demo_deit" / "last.safetensors").write_bytes(b"old demo run")
+        (tmp_path / "runs" / "demo_deit" / MARK).unlink(missing_ok=True)
+        claim_demo_folder(spelling, "deit", defaults=("runs/demo_deit",))
+        assert (tmp_path / "runs" / "demo_deit" / MARK).is_file()
+    with pytest.raises(ValueError, match="holds files a demo did not write"):
+        claim_demo_folder("runs", "deit", defaults=("runs/demo_deit",))

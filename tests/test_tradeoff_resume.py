@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from leanformer.apps import tradeoff
-from leanformer.apps.sweep_config import sweep_config_from_dict
+from leanformer.apps.sweep_config import method_options, sweep_config_from_dict
 from leanformer.apps.tradeoff import run_sweep
 from leanformer.cli import main
 from sweep_models import untrained_deit_test
@@ -98,7 +98,8 @@ def test_resume_and_overwrite_together_are_a_usage_error(capsys: pytest.CaptureF
 def test_resume_refuses_rows_of_another_thread_count_and_mends_an_unterminated_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cfg = sweep_config_from_dict({**SWEEP, "finetune_epochs": 0, "methods": ["merge"], "seeds": 1})
+    timed = {**SWEEP, "finetune_epochs": 0, "methods": ["merge"], "seeds": 1, "throughput": True}
+    cfg = sweep_config_from_dict({**timed, "throughput_runs": 1, "throughput_warmup": 0})
     run_sweep(cfg, out_dir=tmp_path, progress=False, base=untrained_deit_test())
     results = tmp_path / "results.jsonl"
     first = results.read_text().splitlines()[0]
@@ -129,20 +130,23 @@ def test_resume_refuses_a_replaced_base_checkpoint(tmp_path: Path) -> None:
     with torch.no_grad():
         next(other.parameters()).add_(1.0)
     save_checkpoint(checkpoint, model=other, meta={**meta, "epoch": 1})
-    with pytest.raises(ValueError, match=r"other settings \(checkpoint_sha256\)"):
+    with pytest.raises(ValueError, match="measured on another version of the checkpoint"):
         run_sweep(cfg, out_dir=tmp_path / "sweep", progress=False, resume=True)
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"pool_options": {"seed": 5}}, "pool_options: seed is set per point by the sweep"),
+        ({"pool_options": {"seed": 5}}, "pool_options: seed would be replaced for random"),
         ({"device": "nonsense"}, "device 'nonsense' is not a torch device"),
     ],
 )
 def test_sweep_options_that_would_be_ignored_or_fail_late_are_refused(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         sweep_config_from_dict({**SWEEP, "methods": ["random"], **change})
+    # A clustering's seed (its random initial centres) is not replaced: it stands.
+    kmeans = sweep_config_from_dict({**SWEEP, "methods": ["kmeans"], "pool_options": {"seed": 5}})
+    assert method_options(kmeans, "kmeans")["seed"] == 5
 
 
 def test_overwrite_keeps_the_old_sweep_when_fine_tuning_cannot_start(tmp_path: Path) -> None:

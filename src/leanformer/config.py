@@ -77,8 +77,8 @@ def positive_int(text: str) -> int:
 
 
 # torch's CPU generator keeps 32 bits of a seed: seeds 2^32 apart (or -1 and 2^32 - 1) ran
-# bit-identical. The range is what it tells apart; the training sampler's per-epoch seed
-# (seed * 100_003 + epoch) stays far within 64 bits.
+# bit-identical, so the range is the one its initial draws tell apart. (Streams derived
+# from the seed, e.g. dropout's seed * 1000 + 1 + rank, wrap sooner.)
 MAX_SEED = 2**32 - 1
 
 

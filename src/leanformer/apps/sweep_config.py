@@ -144,9 +144,13 @@ def validate(cfg: SweepConfig) -> None:
     stray = sorted(set(cfg.pool_options) - accepted)
     if stray:
         raise ValueError(f"pool_options {', '.join(stray)} are not options of any requested method")
-    if "seed" in cfg.pool_options:
-        # Every point draws from its own seed (seed:, seeds:): a fixed one would be replaced.
-        raise ValueError("pool_options: seed is set per point by the sweep; give seed: (and seeds:) instead")
+    seeded = [m for m in methods_of(cfg) if m in SEEDED_METHODS]
+    if "seed" in cfg.pool_options and seeded:
+        # Their points draw from seeds 0 .. seeds - 1 in turn: a fixed one would be replaced.
+        raise ValueError(
+            f"pool_options: seed would be replaced for {', '.join(seeded)}, whose points take the "
+            "seeds 0 .. seeds - 1 (seeds:); sweep them without it"
+        )
     for r in tome_rs(cfg):
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ValueError(f"tome_r: must hold integers >= 1 (tokens removed per block), got {r!r}")

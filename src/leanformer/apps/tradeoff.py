@@ -257,6 +257,11 @@ def measured_rows(out: Path, cfg: SweepConfig) -> list[dict[str, Any]]:
     if BASE_DIGEST not in stored:  # written before the digest was recorded
         current.pop(BASE_DIGEST, None)
     changed = sorted(k for k in stored.keys() | current.keys() if stored.get(k) != current.get(k))
+    if changed == [BASE_DIGEST]:
+        raise ValueError(
+            f"{out} holds a sweep measured on another version of the checkpoint {cfg.checkpoint} "
+            "(its file changed since): restore that file to resume, or replace the sweep with --overwrite"
+        )
     if changed:
         raise ValueError(
             f"{out} holds a sweep with other settings ({', '.join(changed)}); resume it with the "
@@ -287,7 +292,7 @@ def measured_rows(out: Path, cfg: SweepConfig) -> list[dict[str, Any]]:
         rows.append(row)
     now = torch.get_num_threads()
     threads = sorted({int(row["threads"]) for row in rows if "threads" in row} - {now})
-    if threads:
+    if threads and cfg.throughput:
         # img/s and speedups compare only at one thread count.
         raise ValueError(
             f"{path} was measured with {', '.join(map(str, threads))} thread(s), this run has {now}: "

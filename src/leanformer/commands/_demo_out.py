@@ -15,9 +15,12 @@ from pathlib import Path
 MARK = ".leanformer-demo"
 
 
-def claim_demo_folder(folder: Path, demo: str, *, default: bool) -> None:
-    """Refuse ``folder`` unless it is new, empty, a demo's, or the demo's ``default``; mark it."""
+def claim_demo_folder(folder: str | Path, demo: str, *, defaults: tuple[str, ...]) -> Path:
+    """Refuse ``folder`` unless it is new, empty, a demo's, or one of the demo's ``defaults``
+    (however spelled: ``./runs/demo_deit/`` is ``runs/demo_deit``); mark it. Returns it."""
+    folder = Path(folder)
     mark = folder / MARK
+    default = folder.resolve() in {Path(d).resolve() for d in defaults}
     if not default and folder.is_dir() and not mark.is_file() and any(folder.iterdir()):
         raise ValueError(
             f"--out {folder} holds files a demo did not write, and `leanformer demo {demo}` "
@@ -27,3 +30,4 @@ def claim_demo_folder(folder: Path, demo: str, *, default: bool) -> None:
         raise ValueError(f"--out {folder} is a file, not a folder")
     folder.mkdir(parents=True, exist_ok=True)
     mark.write_text(f"written by `leanformer demo {demo}`, which replaces what it wrote here on every run\n")
+    return folder

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             "device": args.device,
         },
     )
-    claim_demo_folder(Path(args.out), "deit", default=args.out == OUT)
+    claim_demo_folder(args.out, "deit", defaults=(OUT,))
     result = fit(cfg, out_dir=Path(args.out), progress=not args.quiet and not args.json, overwrite=True)
     row = {
         "demo": "deit",

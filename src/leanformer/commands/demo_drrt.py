@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise ValueError(
             f"unknown --models entry {unknown[0] if unknown else '(empty)'}; choose from {', '.join(RUNS)}"
         )
-    claim_demo_folder(Path(args.out), "drrt", default=args.out == OUT)
+    claim_demo_folder(args.out, "drrt", defaults=(OUT,))
     verbose = not args.quiet and not args.json
     rows = []
     for key in keys:

@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     ks = _check_before_training(args)
     out = Path(args.out)
-    claim_demo_folder(out, "perceiver", default=args.out == OUT)
+    claim_demo_folder(out, "perceiver", defaults=(OUT,))
     started = time.perf_counter()
     cfg, fixed = _train(args, False, out / "fixed")
     _, masked = _train(args, True, out / "query_masking")

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     notes = dict(MODELS)
     for name in names:
         model_info(name)  # unknown names fail here, before any training
-    claim_demo_folder(Path(args.out), "sret", default=args.out == OUT)
+    claim_demo_folder(args.out, "sret", defaults=(OUT,))
     rows = []
     for name in names:
         if not args.json and not args.quiet:

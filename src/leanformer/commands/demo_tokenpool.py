@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     default_out = "runs/demo_fashion" if data == "fashion_mnist" else "runs/demo_tokenpool"
     given = getattr(args, "out", None)
     out = Path(given or default_out)
-    claim_demo_folder(out, "tokenpool", default=given in (None, "runs/demo_fashion", "runs/demo_tokenpool"))
+    claim_demo_folder(out, "tokenpool", defaults=("runs/demo_fashion", "runs/demo_tokenpool"))
     result = run_sweep(cfg, out_dir=out, progress=not (args.quiet or args.json), overwrite=True)
     if not args.json:
         rows = summarise_seeds(result.rows)

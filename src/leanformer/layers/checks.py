@@ -63,7 +63,7 @@ def hidden_width(dim: int, ratio: float, *, name: str = "mlp_ratio") -> int:
     if width < 1:
         raise ValueError(
             f"{name} {ratio!r} leaves no hidden unit at width {dim} (int({dim} * {ratio!r}) = {width}): "
-            f"use at least {1 / dim:.3g}"
+            f"{dim} * {name} must be at least 1"
         )
     return width
 
