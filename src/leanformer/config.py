@@ -149,7 +149,9 @@ class TrainConfig:
         False, "--query-masking", "Perceiver Query Masking: train each batch on the first K~U[1,Q] queries"
     )
     query_distribution: str = "uniform"
-    teacher: str | None = flag(None, "--teacher", "distillation teacher: registered name or checkpoint path")
+    teacher: str | None = flag(
+        None, "--teacher", "distillation teacher: a checkpoint or run folder, or a model with shipped weights"
+    )
     distill_weight: float = flag(0.5, "--distill-weight", "soft-label loss weight (1 = soft only)")
     distill_tau: float = flag(1.0, "--distill-tau", "distillation temperature")
     checkpoint: bool = True  # write last.safetensors after every epoch
