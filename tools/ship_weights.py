@@ -1,11 +1,12 @@
 """Turn a finished training run into weights shipped with the package.
 
-    python tools/ship_weights.py RUN_DIR NAME
+    python tools/ship_weights.py RUN_DIR NAME [--ema]
 
 Writes ``src/leanformer/models/weights/NAME.safetensors`` (the model's state dict, float32)
 and ``NAME.json`` (its card: the recipe, the data, the run's top-1 on the validation and
 test splits, the file's SHA-256). Evaluates both splits itself, so the card's figures
-are those of the file it describes.
+are those of the file it describes. ``--ema`` ships the EMA of the weights that a run with
+``train.ema`` kept (choose by the validation figure the run recorded: ``top1_ema``).
 """
 
 from __future__ import annotations
@@ -29,16 +30,33 @@ from leanformer.engine.evaluate import evaluate
 from leanformer.models.pretrained import WEIGHTS_DIR, file_sha256
 
 
+def _training_data(config: dict) -> str:
+    """The training split and its augmentation, in words, from the run's config."""
+    validation = config["data"]["options"].get("validation", 0)
+    words = [f"the first {60_000 - validation:,} training images"]
+    if config["data"]["options"].get("augment"):
+        words.append("random 2-pixel shifts and left-right flips")
+    aug = config.get("aug", {})
+    if aug.get("randaugment"):
+        words.append(f"RandAugment {aug['randaugment']}")
+    if aug.get("reprob"):
+        words.append(f"random erasing p={aug['reprob']}")
+    if aug.get("mixup") or aug.get("cutmix"):
+        words.append(f"Mixup {aug.get('mixup', 0)} / CutMix {aug.get('cutmix', 0)}")
+    return ", ".join(words)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("name")
     parser.add_argument("--recipe", default="configs/train_deit_fashion.yaml")
+    parser.add_argument("--ema", action="store_true", help="ship the EMA weights the run kept")
     args = parser.parse_args()
 
     config = yaml.safe_load((args.run_dir / "config.yaml").read_text())
     metrics = [json.loads(line) for line in (args.run_dir / "metrics.jsonl").read_text().splitlines()]
-    model = load_model(resolve_checkpoint(args.run_dir)).eval()
+    model = load_model(resolve_checkpoint(args.run_dir), ema=args.ema).eval()
     data = config["data"]
     top1 = {}
     for split in ("val", "test"):
@@ -60,7 +78,7 @@ def main() -> None:
         "top1_val": top1["val"],
         "data": {
             "name": data["name"],
-            "train": "the first 50,000 training images, random 2-pixel shifts and left-right flips",
+            "train": _training_data(config),
             "val": "the last 10,000 training images (held out)",
             "test": "the 10,000 test images",
         },
@@ -76,6 +94,7 @@ def main() -> None:
             "timm": timm.__version__,
             "python": platform.python_version(),
         },
+        "weights": "EMA of the weights" if args.ema else "the last weights",
         "dtype": "float32",
         "sha256": file_sha256(path),
     }

@@ -132,13 +132,42 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    # Built by timm's factories (timm.optim.create_optimizer_v2, timm.scheduler.create_scheduler_v2).
+    opt: str = flag("adamw", "--optimizer", "optimizer, by timm's name (adamw, sgd, lamb, ...)", str)
     lr: float = flag(1e-3, "--lr", "peak learning rate", positive_number)
-    weight_decay: float = 0.05
+    weight_decay: float = flag(0.05, "--weight-decay", "weight decay (none on biases, norms, tokens)", float)
     epochs: int = flag(10, "--epochs", "number of epochs", positive_int)
-    warmup_epochs: float = 1.0
-    min_lr: float = 1e-5
+    sched: str = flag(
+        "cosine", "--sched", "learning-rate schedule after warm-up: cosine, step, constant", str
+    )
+    warmup_epochs: float = flag(1.0, "--warmup-epochs", "epochs of linear warm-up (fractions allowed)", float)
+    warmup_lr: float = 1e-6  # the rate warm-up starts from
+    min_lr: float = flag(1e-5, "--min-lr", "floor of the cosine schedule", float)
+    decay_epochs: float = 30.0  # sched: step — epochs between decays
+    decay_rate: float = 0.1  # sched: step — factor of each decay
+    layer_decay: float | None = flag(
+        None, "--layer-decay", "layer-wise lr decay (timm models with group_matcher; none: off)", float
+    )
     beta1: float = 0.9
     beta2: float = 0.999
+
+
+@dataclass(frozen=True)
+class AugConfig:
+    """The training recipe's augmentation and mixing (timm's), on top of a data set's own
+    ``data.options.augment`` (shifts and flips). All off by default."""
+
+    randaugment: str | None = flag(
+        None, "--aug.randaugment", "timm RandAugment policy, e.g. rand-m9-mstd0.5 (none: off)", str
+    )
+    reprob: float = flag(0.0, "--aug.reprob", "random erasing probability (timm RandomErasing)", float)
+    remode: str = "pixel"  # random erasing fill: const, rand or pixel (per-pixel noise)
+    recount: int = 1  # random erasing: at most this many boxes
+    mixup: float = flag(0.0, "--aug.mixup", "Mixup alpha (0: off)", float)
+    cutmix: float = flag(0.0, "--aug.cutmix", "CutMix alpha (0: off)", float)
+    mixup_prob: float = 1.0  # probability that a batch is mixed at all
+    switch_prob: float = 0.5  # with both on: probability of CutMix instead of Mixup
+    mixup_mode: str = "batch"  # batch, pair or elem (timm's Mixup modes)
 
 
 @dataclass(frozen=True)
@@ -155,6 +184,14 @@ class TrainConfig:
     distill_weight: float = flag(0.5, "--distill-weight", "soft-label loss weight (1 = soft only)")
     distill_tau: float = flag(1.0, "--distill-tau", "distillation temperature")
     checkpoint: bool = True  # write last.safetensors after every epoch
+    ema: bool = flag(
+        False, "--ema", "keep an EMA of the weights (timm ModelEmaV3), saved with the checkpoint"
+    )
+    ema_decay: float = flag(0.9998, "--ema-decay", "EMA decay per step", float)
+    precision: str = flag("fp32", "--precision", "training precision: fp32, or bf16 (autocast)", str)
+    # The split evaluated after every epoch: choose settings on "val" where the data set has
+    # one, and evaluate the test split once at the end (`leanformer eval`).
+    eval_split: str = flag("test", "--eval-split", "split evaluated after every epoch (test, val)", str)
 
 
 @dataclass(frozen=True)
@@ -174,6 +211,7 @@ class RunConfig:
     )
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    aug: AugConfig = field(default_factory=AugConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     seed: int = 0
     device: str = "cpu"

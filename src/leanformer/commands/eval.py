@@ -40,12 +40,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_host_arguments(parser)
     add_data_arguments(parser)
     add_config_flags(parser, "compile")
+    parser.add_argument(
+        "--ema", action="store_true", help="evaluate the EMA of the weights a run trained with --ema kept"
+    )
 
 
 def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
     from leanformer.engine.checkpoint import load_model, read_checkpoint_meta
 
     overrides = {**config_flags_given(args, "data", "compile"), **dotted_overrides(args.extra)}
+    if args.ema and not args.checkpoint:
+        raise ValueError("--ema evaluates the EMA weights a training run kept: give its --checkpoint")
     if args.checkpoint:
         hint = " (change the model with --pool/--keep/--opt KEY=VALUE)"
         refuse_beside_checkpoint(
@@ -65,7 +70,7 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
         # (--model_options.pool_options.max_iters sets the top-level key pool_options.)
         dotted = [key.split(".")[1] for key in overrides if key.startswith("model_options.")]
         options = {**{key: cfg.model_options[key] for key in dotted}, **model_options(args)}
-        model = load_model(args.checkpoint, device=args.device, **options)
+        model = load_model(args.checkpoint, device=args.device, ema=args.ema, **options)
         _warn_untrained(model)
         return cfg, model
     from leanformer.engine.builders import build_model, build_split

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config file (see configs/)")
     add_model_arguments(parser)
     add_data_arguments(parser)
-    add_config_flags(parser, "optim", "train")
+    add_config_flags(parser, "optim", "aug", "train")
     show_config_defaults(parser, unless="--config or the run --resume continues")
     parser.add_argument(
         "--out", default=None, help="run folder; it must not hold a run already (default: runs/<model>)"

@@ -56,4 +56,7 @@ def build_cifar10(*, split: str, root: str | None = None, img_size: int = 32) ->
     images = torch.from_numpy(np.concatenate([p[0] for p in parts])).float() / 255.0
     labels = torch.from_numpy(np.concatenate([p[1] for p in parts]))
     images = normalise(resize_images(images, img_size), MEAN, STD)
-    return TensorImageDataset(images, labels, DatasetInfo(num_classes=10, in_chans=3, img_size=img_size))
+    info = DatasetInfo(
+        num_classes=10, in_chans=3, img_size=img_size, mean=tuple(MEAN.tolist()), std=tuple(STD.tolist())
+    )
+    return TensorImageDataset(images, labels, info)

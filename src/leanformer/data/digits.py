@@ -49,6 +49,6 @@ def build_digits(
     images = train if split == "train" else resize_images(torch.from_numpy(x_test)[:, None], img_size)
     images = normalise(images, mean, std).expand(-1, channels, -1, -1).contiguous()
     labels = torch.from_numpy(y_train if split == "train" else y_test).long()
-    return TensorImageDataset(
-        images, labels, DatasetInfo(num_classes=10, in_chans=channels, img_size=img_size)
-    )
+    grey = (float(mean[0]),) * channels, (float(std[0]),) * channels
+    info = DatasetInfo(num_classes=10, in_chans=channels, img_size=img_size, mean=grey[0], std=grey[1])
+    return TensorImageDataset(images, labels, info)

@@ -128,7 +128,7 @@ def build_fashion_mnist(
         images, labels = (images[cut:], labels[cut:]) if split == "val" else (images[:cut], labels[:cut])
     pixels = torch.from_numpy(images.astype(np.float32) / 255.0)[:, None]
     pixels = normalise(resize_images(pixels, img_size), torch.tensor([MEAN]), torch.tensor([STD]))
-    info = DatasetInfo(num_classes=len(CLASSES), in_chans=1, img_size=img_size)
+    info = DatasetInfo(num_classes=len(CLASSES), in_chans=1, img_size=img_size, mean=(MEAN,), std=(STD,))
     dataset = TensorImageDataset(pixels, torch.from_numpy(labels.astype(np.int64)), info)
     if augment and split == "train":
         return ShiftFlipDataset(dataset, max_shift=2, fill=-MEAN / STD)

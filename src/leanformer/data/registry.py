@@ -31,6 +31,10 @@ class DatasetInfo:
     in_chans: int | None = None  # None for non-image inputs
     img_size: int | None = None
     inputs: int = 1  # inputs per example: 1 (an image), 2 (a pair, for relation models)
+    # Per-channel mean and std the images were normalised with (pixels in [0, 1]): image
+    # augmentations that work on pixels (RandAugment) undo and redo it. None: unknown.
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
 
 
 Builder = Callable[..., Dataset]

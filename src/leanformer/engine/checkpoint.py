@@ -36,6 +36,8 @@ DIGEST_KEY = "leanformer_sha256"
 # The file a run folder's checkpoint has; `--checkpoint RUN_DIR` loads it.
 CHECKPOINT_NAME = "last.safetensors"
 _MODEL_PREFIX = "model."
+# Where `fit(..., ema=True)` keeps the EMA of the weights (its ``extra["ema"]`` entry).
+_EMA_PREFIX = "extra.ema."
 # Header entries that describe tensors of the file rather than the run.
 _STATE_KEYS = ("optimizer", "scheduler", "extra")
 _HEADER_LENGTH_BYTES = 8  # safetensors: a little-endian u64, then the JSON header
@@ -292,15 +294,22 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     )
 
 
-def load_model(path: str | Path, *, device: str | torch.device = "cpu", **overrides: Any) -> nn.Module:
-    """Rebuild the model saved in checkpoint ``path`` from its config and load its weights.
+def load_model(
+    path: str | Path, *, device: str | torch.device = "cpu", ema: bool = False, **overrides: Any
+) -> nn.Module:
+    """Rebuild the model saved in checkpoint ``path`` from its config and load its weights
+    (``ema``: the exponential moving average of the weights that a run with ``train.ema``
+    keeps beside them).
 
     ``overrides`` replace constructor options (e.g. ``pool=``, ``keep=`` to evaluate the
     trained weights with token pooling); options that add parameters leave them at init.
     """
     path = resolve_checkpoint(path)
     # The model's tensors only: an optimizer's state can be twice their size.
-    meta, tensors = _read(path, prefix=_MODEL_PREFIX)
+    prefix = _EMA_PREFIX if ema else _MODEL_PREFIX
+    meta, tensors = _read(path, prefix=prefix)
+    if ema and not tensors:
+        raise ValueError(f"checkpoint {path} holds no EMA weights (its run was trained without --ema)")
     name = meta.get("model_name")
     options = meta.get("model_options", {})
     if not isinstance(name, str):
@@ -312,7 +321,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", **overri
     changed = ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none"
     missing, unexpected = load_state_lenient(
         model,
-        _model_state(tensors),
+        {k[len(prefix) :]: v for k, v in tensors.items()},
         mismatch=f"the weights in {path} do not fit {name} with the options {changed}",
     )
     if missing and not overrides:

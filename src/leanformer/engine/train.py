@@ -1,10 +1,14 @@
-"""Training: AdamW, warm-up + cosine, label smoothing, gradient clipping, seeded; DDP under torchrun.
+"""Training: timm's recipe pieces (optimizer and schedule factories, RandAugment, random
+erasing, Mixup/CutMix, EMA), label smoothing, gradient clipping, bf16 autocast, seeded; DDP
+under torchrun (one or several nodes).
 
 A run folder holds ``config.yaml`` (the resolved config), ``metrics.jsonl`` (one line per
 epoch) and ``last.safetensors`` (+ ``last.json``), committed after every epoch as
 :mod:`leanformer.engine.run_folder` describes. ``fit(..., resume=True)`` continues from it
 and gives the same metrics as an uninterrupted run: data order is a function of
-(seed, epoch) and the RNG states are saved with the weights. A folder that holds a run is
+(seed, epoch), the RNG states and the EMA are saved with the weights, the augmentations and
+Mixup draw from torch's generator (:mod:`leanformer.data.host_random`), and the learning
+rate is a function of the update count. A folder that holds a run is
 only continued (``resume=True``) or replaced (``overwrite=True``), never written over.
 """
 
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
+from timm.loss import SoftTargetCrossEntropy
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import default_collate
@@ -36,6 +41,7 @@ from leanformer.config import (
     to_dict,
 )
 from leanformer.data.loaders import eval_loader, train_loader
+from leanformer.data.recipe_augment import with_recipe_augmentation
 from leanformer.device import check_device
 from leanformer.engine.builders import build_model, build_split, check_model_fits
 from leanformer.engine.checkpoint import (
@@ -50,6 +56,14 @@ from leanformer.engine.distributed import DistInfo, barrier, cleanup_distributed
 from leanformer.engine.evaluate import call_model, evaluate, to_device
 from leanformer.engine.folder_lock import is_main_process, locked_folder
 from leanformer.engine.query_masking import QUERY_DISTRIBUTIONS, sample_num_queries
+from leanformer.engine.recipe import (
+    StepSchedule,
+    autocast_for,
+    build_ema,
+    build_mixup,
+    build_optimizer,
+    check_recipe,
+)
 from leanformer.engine.run_folder import (
     CONFIG_NAME,
     check_new_run_folder,
@@ -60,7 +74,6 @@ from leanformer.engine.run_folder import (
     remove_stale_temporaries,
     write_metrics,
 )
-from leanformer.engine.schedule import param_groups, warmup_cosine
 from leanformer.errors import NonFiniteLossError
 from leanformer.models.pretrained import shipped_models
 from leanformer.models.query_budget import query_budget
@@ -118,6 +131,7 @@ def _validate(cfg: RunConfig) -> None:
     if d.batch_size < 1:
         raise ValueError(f"data.batch_size must be >= 1, got {d.batch_size}")
     check_dependent_options(cfg)
+    check_recipe(o, cfg.aug, t)
 
 
 # train.* options that only modify another one (key -> the option it needs).
@@ -196,7 +210,8 @@ def _build_teacher(cfg: RunConfig, info: Any, device: torch.device) -> nn.Module
 
 
 class _LossFn:
-    """Cross-entropy with label smoothing, plus soft-label distillation when a teacher is set."""
+    """Cross-entropy with label smoothing (soft-target cross-entropy on Mixup/CutMix's mixed
+    targets, which carry the smoothing), plus soft-label distillation when a teacher is set."""
 
     def __init__(self, cfg: RunConfig, teacher: nn.Module | None) -> None:
         self.smoothing = cfg.train.label_smoothing
@@ -205,7 +220,10 @@ class _LossFn:
         self.tau = cfg.train.distill_tau
 
     def __call__(self, logits: Tensor, target: Tensor, inputs: Any) -> Tensor:
-        loss = F.cross_entropy(logits, target, label_smoothing=self.smoothing)
+        if target.is_floating_point():  # Mixup/CutMix: a distribution per example
+            loss = SoftTargetCrossEntropy()(logits.float(), target)
+        else:
+            loss = F.cross_entropy(logits, target, label_smoothing=self.smoothing)
         if self.teacher is None:
             return loss
         with torch.no_grad():
@@ -329,8 +347,8 @@ def _fit(
     dist_info: DistInfo = setup_distributed(cfg.device)
     device = dist_info.device
     try:
-        train_set = build_split(cfg.data, "train")
-        test_set = build_split(cfg.data, "test")
+        train_set = with_recipe_augmentation(build_split(cfg.data, "train"), cfg.aug)
+        test_set = _eval_split(cfg)
         info = train_set.info  # type: ignore[attr-defined]
         torch.manual_seed(cfg.seed)  # identical initial weights on every process
         model, model_options = build_model(cfg.model, cfg.model_options, info)
@@ -347,17 +365,10 @@ def _fit(
             test_set, batch_size=cfg.data.eval_batch_size, num_workers=cfg.data.num_workers
         )
         steps_per_epoch = len(loader)
-        optimizer = torch.optim.AdamW(
-            param_groups(model, cfg.optim.weight_decay),
-            lr=cfg.optim.lr,
-            betas=(cfg.optim.beta1, cfg.optim.beta2),
-        )
-        scheduler = warmup_cosine(
-            optimizer,
-            total_steps=cfg.optim.epochs * steps_per_epoch,
-            warmup_steps=round(cfg.optim.warmup_epochs * steps_per_epoch),
-            min_ratio=min(1.0, cfg.optim.min_lr / cfg.optim.lr),
-        )
+        optimizer = build_optimizer(model, cfg.optim)
+        scheduler = StepSchedule(optimizer, cfg.optim, steps_per_epoch)
+        mix = build_mixup(cfg.aug, label_smoothing=cfg.train.label_smoothing, num_classes=info.num_classes)
+        ema = build_ema(model, cfg.train)
         loss_fn = _LossFn(cfg, _build_teacher(cfg, info, device))
         sample_kwargs, query_gen = _query_sampler(cfg, model, cfg.seed)
         _check_forward(model, loss_fn, train_set, device, num_classes=info.num_classes)
@@ -411,13 +422,25 @@ def _fit(
                     f"resume: the run in {out} was trained by {len(saved_states)} process(es), which "
                     f"hold its random states: resume it with at most that many, not {dist_info.world_size}"
                 )
+            if "updates" not in (ckpt.scheduler_state or {}):
+                raise ValueError(
+                    f"resume: the run in {out} was saved by an older leanformer whose learning-rate "
+                    "schedule differs from timm's; train it again (--overwrite) to continue with this version"
+                )
+            if ema is not None and "ema" not in ckpt.extra:
+                raise ValueError(
+                    f"resume: the run in {out} kept no EMA of its weights; resume it without --ema"
+                )
             model.load_state_dict(ckpt.model_state)
             optimizer.load_state_dict(ckpt.optimizer_state)  # type: ignore[arg-type]
-            scheduler.load_state_dict(ckpt.scheduler_state)  # type: ignore[arg-type]
+            start_epoch = int(ckpt.meta["epoch"])
+            # The rate is a function of the update count (and of the epochs, which may grow).
+            scheduler.at(start_epoch * steps_per_epoch)
+            if ema is not None:
+                ema.module.load_state_dict(ckpt.extra["ema"])
             torch.set_rng_state(saved_states[dist_info.rank])
             if query_gen is not None:
                 query_gen.set_state(ckpt.extra["query_rng"])
-            start_epoch = int(ckpt.meta["epoch"])
             history = recover(out) if dist_info.is_main else list(ckpt.meta.get("history", []))
         elif out is not None and dist_info.is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -453,8 +476,11 @@ def _fit(
                 for step, (inputs, target) in enumerate(batches):
                     inputs, target = to_device(inputs, device), target.to(device)
                     kwargs = sample_kwargs() if sample_kwargs is not None else {}
-                    logits = call_model(train_model, inputs, **kwargs)
-                    loss = loss_fn(logits, target, inputs)
+                    if mix is not None:
+                        inputs, target = mix(inputs, target)
+                    with autocast_for(device, cfg.train.precision):
+                        logits = call_model(train_model, inputs, **kwargs)
+                        loss = loss_fn(logits, target, inputs)
                     # One host sync per step: a diverged run must stop before it overwrites anything.
                     if not torch.isfinite(loss).item():
                         discard = out is not None and dist_info.is_main and uncommitted()
@@ -465,6 +491,8 @@ def _fit(
                         nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
                     optimizer.step()
                     scheduler.step()
+                    if ema is not None:
+                        ema.update(model, step=scheduler.updates)
                     loss_sum += loss.detach().double()
                 if dist_info.enabled:
                     # Each process saw half of every global batch: report the global mean.
@@ -472,15 +500,19 @@ def _fit(
                     loss_sum /= dist_info.world_size
                 train_loss = loss_sum.item() / max(1, steps_per_epoch)
                 if dist_info.is_main:
-                    metrics = evaluate(model, test_loader, device=device)
+                    seconds = time.perf_counter() - started
+                    scores = evaluate(model, test_loader, device=device)
                     metrics = {
                         "epoch": epoch + 1,
                         "train_loss": train_loss,
-                        "top1": metrics["top1"],
-                        "test_loss": metrics["loss"],
+                        "top1": scores["top1"],
+                        "test_loss": scores["loss"],
                         "lr": float(scheduler.get_last_lr()[0]),
-                        "epoch_seconds": time.perf_counter() - started,
+                        "epoch_seconds": seconds,
                     }
+                    if ema is not None:
+                        ema_scores = evaluate(ema.module, test_loader, device=device)
+                        metrics.update(top1_ema=ema_scores["top1"], test_loss_ema=ema_scores["loss"])
                     history.append(metrics)
                     epochs.set_postfix(top1=f"{metrics['top1']:.1f}", loss=f"{train_loss:.3f}")
                 rng_states = _gather_rng(dist_info)
@@ -490,6 +522,8 @@ def _fit(
                         extra: dict[str, Any] = {"torch_rng": rng_states}
                         if query_gen is not None:
                             extra["query_rng"] = query_gen.get_state()
+                        if ema is not None:
+                            extra["ema"] = ema.module.state_dict()
                         save_checkpoint(
                             out / CHECKPOINT_NAME,
                             model=model,
@@ -519,6 +553,17 @@ def _fit(
         )
     finally:
         cleanup_distributed(dist_info)
+
+
+def _eval_split(cfg: RunConfig) -> Any:
+    """The split evaluated after every epoch (``train.eval_split``), read without augmentation."""
+    split = cfg.train.eval_split
+    if split == "train":
+        raise ValueError("train.eval_split: evaluate on a held-out split (test, or val), not on train")
+    try:
+        return build_split(cfg.data, split, evaluation=True)
+    except ValueError as err:
+        raise ValueError(f"train.eval_split {split!r}: {err}") from None
 
 
 def _gather_rng(info: DistInfo) -> list[Tensor]:
