@@ -156,7 +156,7 @@ def save_checkpoint(
     if optimizer is not None:
         state["optimizer"] = _flatten_state("optimizer", optimizer.state_dict(), tensors)
     if scheduler is not None:
-        # LambdaLR stores None in place of plain functions: the state is JSON-able.
+        # The schedule keeps its update count (a plain number): the state is JSON-able.
         state["scheduler"] = _flatten_state("scheduler", scheduler.state_dict(), tensors)
     if extra:
         state["extra"] = _flatten_state("extra", extra, tensors)
