@@ -10,9 +10,11 @@ Each garment gives a pair (see :mod:`leanformer.data.paired`):
 Splits: the 10,000 test images give the test pairs; ``validation=N`` sets the last N
 training images aside as the ``val`` pairs (``train`` is then the first 60,000 - N).
 The noise and occlusions of the training images are drawn for all 60,000 at once from
-``seed``, before the cut: a training image gets the same pair whatever N is. The test
-images draw from a stream of their own. Both modalities are standardised with the
-``train`` split's statistics. Items are ``((a, b), target)``, or with
+``seed``, before the cut; the test images draw from a stream of their own. Both
+modalities are standardised with the statistics of all 60,000 training pairs (as
+``fashion_mnist`` uses the mean and std of all 60,000 training images), so an image gets
+the same pair whatever N is, and the test pairs need no ``validation`` option to match a
+run's. Items are ``((a, b), target)``, or with
 ``return_regions=True`` ``((a, b, region_a, region_b), target)``: the quadrants of both
 sides, the DRRT models' default regions.
 
@@ -66,16 +68,15 @@ def build_fashion_pairs(
     cut = validation_cut(len(images), validation) if validation else len(images)
     views = (img_size, points, noise_a, occlude, noise_b)
     every = paired_views(_pixels(images), *views, torch.Generator().manual_seed(2 * seed))
-    train = (every[0][:cut], every[1][:cut])
     if split == "test":
         images, labels = load_split(folder, "test")
         chosen = paired_views(_pixels(images), *views, torch.Generator().manual_seed(2 * seed + 1))
     elif split == "val":
         chosen, labels = (every[0][cut:], every[1][cut:]), labels[cut:]
     else:
-        chosen, labels = train, labels[:cut]
+        chosen, labels = (every[0][:cut], every[1][:cut]), labels[:cut]
     targets = torch.from_numpy(labels.astype(np.int64))
-    return paired_dataset(chosen, targets, train, points=points, return_regions=return_regions)
+    return paired_dataset(chosen, targets, every, points=points, return_regions=return_regions)
 
 
 def _pixels(images: np.ndarray) -> torch.Tensor:

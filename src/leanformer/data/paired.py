@@ -129,14 +129,14 @@ def paired_views(
 def paired_dataset(
     views: tuple[Tensor, Tensor],
     labels: Tensor,
-    train_views: tuple[Tensor, Tensor],
+    reference: tuple[Tensor, Tensor],
     *,
     points: int,
     return_regions: bool,
 ) -> PairedDataset:
     """The dataset of ``views`` (images, grids), both modalities standardised with the
-    training split's statistics (``train_views``), with the quadrant maps when asked."""
-    (a, b), (a_train, b_train) = views, train_views
+    statistics of ``reference`` (training views), with the quadrant maps when asked."""
+    (a, b), (a_train, b_train) = views, reference
     mean_a, std_a = channel_stats(a_train)
     a = normalise(a, mean_a, std_a)
     b = (b - b_train.mean()) / b_train.std()
