@@ -171,6 +171,16 @@ def test_bad_options_are_one_line_errors(garments, tmp_path: Path) -> None:
         pairs(str(tmp_path / "nowhere"), "test")
 
 
+def test_images_of_another_size_are_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "small"
+    write_fashion(folder, n_train=4, n_test=2, gz=False)
+    small = np.zeros((2, 20, 20), dtype=np.uint8)
+    (folder / FILES["test"][0]).write_bytes(idx_bytes(small))
+    assert len(pairs(str(folder), "train")) == 4
+    with pytest.raises(ValueError, match=r"needs 28x28 images, the test file holds \(20, 20\)"):
+        pairs(str(folder), "test")
+
+
 def test_paired_views_draw_in_a_fixed_order() -> None:
     """The shared building block: same generator state, same views; points must divide."""
     sources = torch.rand(4, 28, 28)

@@ -24,6 +24,8 @@ Debian's package), never downloaded.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -62,14 +64,12 @@ def build_fashion_pairs(
     if split == "val" and validation < 1:
         raise ValueError("fashion_pairs split 'val' needs validation=N (the last N training images)")
     folder = find_root(root)
-    images, labels = load_split(folder, "train")
-    if images.shape[1:] != (SIDE, SIDE):
-        raise ValueError(f"fashion_pairs needs {SIDE}x{SIDE} images, the files hold {images.shape[1:]}")
+    images, labels = _load(folder, "train")
     cut = validation_cut(len(images), validation) if validation else len(images)
     views = (img_size, points, noise_a, occlude, noise_b)
     every = paired_views(_pixels(images), *views, torch.Generator().manual_seed(2 * seed))
     if split == "test":
-        images, labels = load_split(folder, "test")
+        images, labels = _load(folder, "test")
         chosen = paired_views(_pixels(images), *views, torch.Generator().manual_seed(2 * seed + 1))
     elif split == "val":
         chosen, labels = (every[0][cut:], every[1][cut:]), labels[cut:]
@@ -77,6 +77,16 @@ def build_fashion_pairs(
         chosen, labels = (every[0][:cut], every[1][:cut]), labels[:cut]
     targets = torch.from_numpy(labels.astype(np.int64))
     return paired_dataset(chosen, targets, every, points=points, return_regions=return_regions)
+
+
+def _load(folder: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """Fashion-MNIST's uint8 images and labels of ``split``, checked to be 28x28."""
+    images, labels = load_split(folder, split)
+    if images.shape[1:] != (SIDE, SIDE):
+        raise ValueError(
+            f"fashion_pairs needs {SIDE}x{SIDE} images, the {split} file holds {images.shape[1:]}"
+        )
+    return images, labels
 
 
 def _pixels(images: np.ndarray) -> torch.Tensor:
