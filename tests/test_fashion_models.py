@@ -61,8 +61,9 @@ def test_the_issue_s_constraints() -> None:
     assert unsliced.groups == ((1, 1),) * 3 and sliced.attention_cost_ratio() < 1.0
     # DRRT and DRT: the same model but for recurrence (their configs: the same recipe).
     assert _differing_defaults("drrt_fashion", "drt_fashion") == {"recurrence"}
-    # Every model costs at most deit_fashion's GMACs per image, so each trains on 2 CPU
-    # cores in about the time deit_fashion took (its card: 20 epochs of about 4 minutes).
+    # Every model costs at most deit_fashion's GMACs per image (trained on 2 CPU cores in
+    # epochs of about 4 minutes, its card says); DRRT's GMACs leave out the relation's tanh
+    # and the sequential map recurrence (see models/drrt.py).
     assert all(SIZES[name][1] <= deit_gmacs for name in NEW)
 
 
