@@ -8,7 +8,7 @@ import torch
 
 from leanformer.data import build_dataset, list_datasets
 from leanformer.data.digits import digits_split
-from leanformer.data.digits_pairs import _modalities, quadrant_labels
+from leanformer.data.paired import paired_views, quadrant_labels
 from leanformer.layers.pair_embed import ImagePatchTokens, grid_regions
 
 
@@ -54,8 +54,8 @@ def test_point_grid_is_cell_means_of_the_scan() -> None:
 def test_occlusion_blanks_exactly_one_quadrant() -> None:
     scans = torch.from_numpy(digits_split(0.2, 0)[1][:50])
     gen = torch.Generator().manual_seed(0)
-    clean, _ = _modalities(scans, 32, 4, 0.0, 0.0, 0.0, gen)
-    occluded, _ = _modalities(scans, 32, 4, 0.0, 1.0, 0.0, gen)
+    clean, _ = paired_views(scans, 32, 4, 0.0, 0.0, 0.0, gen)
+    occluded, _ = paired_views(scans, 32, 4, 0.0, 1.0, 0.0, gen)
     quadrant = quadrant_labels(32, 32)
     for n in range(50):
         same = occluded[n, 0] == clean[n, 0]
@@ -64,7 +64,7 @@ def test_occlusion_blanks_exactly_one_quadrant() -> None:
         kept = [q for q in range(4) if bool(same[quadrant == q].all())]
         assert len(set(blanked) | set(kept)) == 4 and len(kept) >= 3, n
     # About half the images are hit with occlude=0.5.
-    half, _ = _modalities(scans, 32, 4, 0.0, 0.5, 0.0, torch.Generator().manual_seed(0))
+    half, _ = paired_views(scans, 32, 4, 0.0, 0.5, 0.0, torch.Generator().manual_seed(0))
     hit = (half != clean).flatten(1).any(1).float().mean()
     assert 0.25 < hit < 0.75
 

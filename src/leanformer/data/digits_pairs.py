@@ -17,6 +17,7 @@ default labels, so items are ``((a, b), target)``. With ``return_regions=True`` 
 are ``((a, b, region_a, region_b), target)`` with ``region_a`` a pixel map ``[H, W]`` and
 ``region_b`` one label per point ``[P]``. All noise and occlusions are drawn once from
 ``seed`` when the dataset is built: every epoch and every evaluation sees the same data.
+The views are made by :mod:`leanformer.data.paired`, shared with ``fashion_pairs``.
 
 ``paired_arrays`` loads local paired data (``root``: a ``.npz`` file, or a folder with
 ``train.npz`` and ``test.npz``) holding ``a`` (``[N, C, H, W]`` images or ``[N, P]`` /
@@ -29,66 +30,21 @@ is made). Arrays are used as they are (normalise them beforehand).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from sklearn.model_selection import train_test_split
 from torch import Tensor
-from torch.utils.data import Dataset
 
 from leanformer.data.digits import digits_split
+from leanformer.data.paired import (
+    PairedDataset,
+    check_view_options,
+    paired_dataset,
+    paired_views,
+    quadrant_labels,
+)
 from leanformer.data.registry import DatasetInfo, register_dataset
-from leanformer.data.tensor_dataset import channel_stats, normalise, resize_images
-
-
-class PairedDataset(Dataset):
-    """Examples ``((a_i, b_i[, region_a_i, region_b_i]), label_i)`` from stacked tensors.
-
-    ``region_a``/``region_b`` are either one map for all examples (no leading ``N``) or
-    one per example; items always carry one map each, so batches stack to ``[B, ...]``.
-    """
-
-    def __init__(
-        self,
-        a: Tensor,
-        b: Tensor,
-        labels: Tensor,
-        info: DatasetInfo,
-        *,
-        region_a: Tensor | None = None,
-        region_b: Tensor | None = None,
-        per_example_regions: bool = False,
-    ) -> None:
-        n = labels.shape[0]
-        if labels.ndim != 1 or a.shape[0] != n or b.shape[0] != n:
-            raise ValueError(
-                f"paired data needs the same number of a, b and labels: got {a.shape[0]}, {b.shape[0]}, {n}"
-            )
-        if (region_a is None) != (region_b is None):
-            raise ValueError("give both region maps (region_a and region_b) or neither")
-        self.a, self.b, self.labels, self.info = a, b, labels, info
-        self.region_a, self.region_b = region_a, region_b
-        self.per_example_regions = per_example_regions
-
-    def __len__(self) -> int:
-        return self.labels.shape[0]
-
-    def __getitem__(self, index: int) -> tuple[tuple[Tensor, ...], Tensor]:
-        inputs: tuple[Tensor, ...] = (self.a[index], self.b[index])
-        if self.region_a is not None and self.region_b is not None:
-            if self.per_example_regions:
-                inputs += (self.region_a[index], self.region_b[index])
-            else:
-                inputs += (self.region_a, self.region_b)
-        return inputs, self.labels[index]
-
-
-def quadrant_labels(rows: int, cols: int) -> Tensor:
-    """``[rows, cols]`` labels 0..3: top-left, top-right, bottom-left, bottom-right."""
-    r = (torch.arange(rows) * 2 // rows)[:, None]
-    c = (torch.arange(cols) * 2 // cols)[None, :]
-    return r * 2 + c
 
 
 @register_dataset("digits_pairs")
@@ -106,62 +62,31 @@ def build_digits_pairs(
     seed: int = 0,
 ) -> PairedDataset:
     """Digits as (noisy, partly occluded image ``[1, S, S]``, noisy point grid ``[P]``) pairs."""
-    if img_size < 8 or img_size % 2:
-        raise ValueError(f"digits_pairs img_size must be even and >= 8, got {img_size}")
-    if points < 2 or 8 % points:
-        raise ValueError(f"digits_pairs points must divide the 8x8 scans (2, 4 or 8), got {points}")
-    if noise_a < 0 or noise_b < 0 or not 0.0 <= occlude <= 1.0:
-        raise ValueError(f"noise must be >= 0 and occlude in [0, 1]; got {noise_a}, {noise_b}, {occlude}")
+    check_view_options(
+        "digits_pairs",
+        source="scans",
+        side=8,
+        img_size=img_size,
+        points=points,
+        noise_a=noise_a,
+        occlude=occlude,
+        noise_b=noise_b,
+    )
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     x_train, x_test, y_train, y_test = digits_split(test_fraction, split_seed)
     # One noise stream per split (the same stream would give train and test twins); the
     # training data is always drawn, as its statistics standardise both splits.
-    gen = torch.Generator().manual_seed(2 * seed)
-    a_train, b_train = _modalities(
-        torch.from_numpy(x_train), img_size, points, noise_a, occlude, noise_b, gen
-    )
+    views = (img_size, points, noise_a, occlude, noise_b)
+    train = paired_views(torch.from_numpy(x_train), *views, torch.Generator().manual_seed(2 * seed))
     if split == "train":
-        a, b, y = a_train, b_train, y_train
-    else:
-        gen = torch.Generator().manual_seed(2 * seed + 1)
-        a, b = _modalities(torch.from_numpy(x_test), img_size, points, noise_a, occlude, noise_b, gen)
-        y = y_test
-    # Standardise both modalities with the training split's statistics.
-    mean_a, std_a = channel_stats(a_train)
-    a = normalise(a, mean_a, std_a)
-    b = (b - b_train.mean()) / b_train.std()
-    info = DatasetInfo(num_classes=10, in_chans=1, img_size=img_size, inputs=2)
-    regions: dict[str, Any] = {}
-    if return_regions:
-        regions = dict(
-            region_a=quadrant_labels(img_size, img_size), region_b=quadrant_labels(points, points).flatten()
+        return paired_dataset(
+            train, torch.from_numpy(y_train).long(), train, points=points, return_regions=return_regions
         )
-    return PairedDataset(a.contiguous(), b.contiguous(), torch.from_numpy(y).long(), info, **regions)
-
-
-def _modalities(
-    scans: Tensor,
-    img_size: int,
-    points: int,
-    noise_a: float,
-    occlude: float,
-    noise_b: float,
-    gen: torch.Generator,
-) -> tuple[Tensor, Tensor]:
-    """8x8 scans in [0, 1] ``[N, 8, 8]`` -> (images ``[N, 1, S, S]``, point grids ``[N, P]``)."""
-    n = scans.shape[0]
-    images = resize_images(scans[:, None].float(), img_size)
-    images = images + noise_a * torch.randn(images.shape, generator=gen)
-    # Blank one random quadrant of a random subset (multiplying by a per-example mask).
-    quadrant = torch.randint(0, 4, (n,), generator=gen)
-    hit = torch.rand(n, generator=gen) < occlude
-    blank = (quadrant_labels(img_size, img_size)[None] == quadrant[:, None, None]) & hit[:, None, None]
-    images = images.masked_fill(blank[:, None], 0.0)
-    cell = 8 // points
-    grid = scans.reshape(n, points, cell, points, cell).mean(dim=(2, 4)).flatten(1)
-    grid = grid + noise_b * torch.randn(grid.shape, generator=gen)
-    return images, grid
+    test = paired_views(torch.from_numpy(x_test), *views, torch.Generator().manual_seed(2 * seed + 1))
+    return paired_dataset(
+        test, torch.from_numpy(y_test).long(), train, points=points, return_regions=return_regions
+    )
 
 
 @register_dataset("paired_arrays")

@@ -101,6 +101,13 @@ def load_split(folder: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
+def validation_cut(train_images: int, validation: int) -> int:
+    """Where the validation split starts: the last ``validation`` of ``train_images``."""
+    if not 0 < validation < train_images:
+        raise ValueError(f"validation must be in [1, {train_images - 1}], got {validation}")
+    return train_images - validation
+
+
 @register_dataset("fashion_mnist")
 def build_fashion_mnist(
     *,
@@ -122,9 +129,7 @@ def build_fashion_mnist(
     folder = find_root(root)
     images, labels = load_split(folder, "test" if split == "test" else "train")
     if split != "test" and validation:
-        if not 0 < validation < len(images):
-            raise ValueError(f"validation must be in [1, {len(images) - 1}], got {validation}")
-        cut = len(images) - validation
+        cut = validation_cut(len(images), validation)
         images, labels = (images[cut:], labels[cut:]) if split == "val" else (images[:cut], labels[:cut])
     pixels = torch.from_numpy(images.astype(np.float32) / 255.0)[:, None]
     pixels = normalise(resize_images(pixels, img_size), torch.tensor([MEAN]), torch.tensor([STD]))

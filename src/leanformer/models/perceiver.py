@@ -341,6 +341,26 @@ register(
     num_heads=2,
     pos_embed_init="sincos",
 )
+# Real photographs: 28x28 Fashion-MNIST at patch 2 gives deit_fashion's 196 tokens, which
+# Q=64 queries read into a DeiT body of 6 blocks at dim 96: 0.92M parameters, 0.061
+# GMACs at Q=64 (0.69x deit_fashion's 0.088), 0.031 at Q/2 and 0.017 at Q/4. Trained
+# with Query Masking by configs/train_perceiver_fashion.yaml.
+register(
+    "perceiver_fashion",
+    VisualPerceiver,
+    family="perceiver",
+    description="Visual Perceiver on 28x28 Fashion-MNIST: patch 2 (196 tokens), dim 96, Q=64, 6x3-head "
+    "blocks",
+    img_size=28,
+    patch_size=2,
+    in_chans=1,
+    num_classes=10,
+    embed_dim=96,
+    num_queries=64,
+    depth=6,
+    num_heads=3,
+    pos_embed_init="sincos",
+)
 register(
     "visual_perceiver_test",
     VisualPerceiver,
