@@ -1,4 +1,5 @@
-"""`leanformer eval`: top-1 of a checkpoint (or a registered model) on a dataset split."""
+"""`leanformer eval`: top-1 of a checkpoint (or a registered model) on a dataset split; COCO box AP
+of a detector on a detection dataset."""
 
 from __future__ import annotations
 
@@ -136,6 +137,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     dataset = build_split(cfg.data, args.split, evaluation=True)
     info = dataset.info  # type: ignore[attr-defined]
     check_model_fits(model, info)
+    if info.task == "detection" or getattr(model, "task", None) == "detection":
+        return _run_detection(args, cfg, model, dataset)
     kept: list[torch.Tensor] = []
 
     def collect(m: torch.nn.Module) -> None:
@@ -186,3 +189,45 @@ def run(args: argparse.Namespace) -> list[dict]:
             f"(loss {row['loss']:.4f}, n={row['n']}){extra}"
         )
     return [row]
+
+
+def _run_detection(args: argparse.Namespace, cfg: RunConfig, model: Any, dataset: Any) -> list[dict]:
+    """COCO box AP, AP50, AP75 and AP by object size of a detector on a detection dataset."""
+    from torch.utils.data import DataLoader
+
+    from leanformer.data.fashion_detect import coco_ground_truth, collate_detection
+    from leanformer.engine.detection_eval import evaluate_detection
+
+    name = getattr(model, "leanformer_name", cfg.model)
+    if getattr(model, "task", None) != "detection":
+        raise ValueError(f"{cfg.data.name} is a detection dataset: {name} is not a detector (try detr_fashion)")
+    if dataset.info.task != "detection":
+        raise ValueError(f"{name} is a detector: evaluate it on a detection dataset (fashion_detect)")
+    if cfg.compile:
+        raise ValueError("--compile is for classifiers; a detector is evaluated eagerly")
+    forward_kwargs(args, model)  # refuses the Perceivers' call-time options by name
+    inner = getattr(dataset, "dataset", dataset)  # under --data.limit_test, the limited dataset's source
+    ground_truth = coco_ground_truth(inner)
+    if len(dataset) < len(inner):  # score only the images evaluated
+        kept = set(range(len(dataset)))
+        ground_truth["images"] = [image for image in ground_truth["images"] if image["id"] in kept]
+        ground_truth["annotations"] = [a for a in ground_truth["annotations"] if a["image_id"] in kept]
+    batch_size = args.batch_size or cfg.data.eval_batch_size
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_detection)
+    metrics = evaluate_detection(model, loader, ground_truth, device=args.device)
+    row: dict[str, Any] = {"model": name, "split": args.split, **metrics, "n": int(metrics["n"] or 0)}
+    row.update(model_options(args))
+    if not args.json:
+        sizes = ", ".join(
+            f"{size} {_percent(row['ap_' + size])}" for size in ("small", "medium", "large")
+        )
+        print(
+            f"{name} on {cfg.data.name}/{args.split}: AP {_percent(row['ap'])}, AP50 {_percent(row['ap50'])}, "
+            f"AP75 {_percent(row['ap75'])} (by size: {sizes}; n={row['n']})"
+        )
+    return [row]
+
+
+def _percent(value: float | None) -> str:
+    """COCO AP as the field prints it (x100); an area range without objects has none."""
+    return "n/a" if value is None else f"{100 * value:.1f}"

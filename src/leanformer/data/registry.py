@@ -31,6 +31,9 @@ class DatasetInfo:
     in_chans: int | None = None  # None for non-image inputs
     img_size: int | None = None
     inputs: int = 1  # inputs per example: 1 (an image), 2 (a pair, for relation models)
+    # What a target is: "classification" (a class index), "detection" (a dict of boxes,
+    # labels, masks per image) or "semantic" (a class per pixel).
+    task: str = "classification"
 
 
 Builder = Callable[..., Dataset]
