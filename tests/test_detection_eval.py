@@ -17,7 +17,11 @@ pytest.importorskip("pycocotools")
 def ground_truth() -> dict:
     """Image 0: two garments of class 0 (a small one, 20x20, and a medium one, 40x40);
     image 1: one medium garment of class 3. No large object."""
-    boxes = {1: (0, [10.0, 10.0, 30.0, 30.0], 0), 2: (0, [50.0, 50.0, 90.0, 90.0], 0), 3: (1, [5.0, 60.0, 45.0, 100.0], 3)}
+    boxes = {
+        1: (0, [10.0, 10.0, 30.0, 30.0], 0),
+        2: (0, [50.0, 50.0, 90.0, 90.0], 0),
+        3: (1, [5.0, 60.0, 45.0, 100.0], 3),
+    }
     annotations = [
         {
             "id": key,
@@ -58,7 +62,9 @@ def test_one_miss_halves_the_recall_of_its_class() -> None:
     # Class 0 (index 1 in COCO): only the medium garment found -> precision 1 up to recall 0.5,
     # none beyond: 51 of the 101 recall points -> 51/101. Class 3: perfect -> 1.
     # Small objects: the only one is missed -> 0; medium: both found -> 1.
-    metrics = coco_box_ap(ground_truth(), [prediction(0, [MEDIUM], [0.9], [0]), prediction(1, [OTHER], [0.7], [3])])
+    metrics = coco_box_ap(
+        ground_truth(), [prediction(0, [MEDIUM], [0.9], [0]), prediction(1, [OTHER], [0.7], [3])]
+    )
     expected = (51 / 101 + 1.0) / 2
     assert metrics["ap"] == pytest.approx(expected) and metrics["ap50"] == pytest.approx(expected)
     assert metrics["ap75"] == pytest.approx(expected)
@@ -69,13 +75,19 @@ def test_a_duplicate_ranked_between_two_hits_costs_precision() -> None:
     # Class 0 ranked: SMALL (hit, P=1, R=.5), SMALL again (duplicate: false positive, P=1/2),
     # MEDIUM (hit, P=2/3, R=1). Interpolated precision: 1 for recall <= .5 (51 points),
     # 2/3 above (50 points) -> (51 + 50 * 2/3) / 101. Class 3 perfect.
-    preds = [prediction(0, [SMALL, SMALL, MEDIUM], [0.9, 0.8, 0.7], [0, 0, 0]), prediction(1, [OTHER], [0.7], [3])]
+    preds = [
+        prediction(0, [SMALL, SMALL, MEDIUM], [0.9, 0.8, 0.7], [0, 0, 0]),
+        prediction(1, [OTHER], [0.7], [3]),
+    ]
     class0 = (51 + 50 * 2 / 3) / 101
     metrics = coco_box_ap(ground_truth(), preds)
     assert metrics["ap"] == pytest.approx((class0 + 1.0) / 2)
     assert metrics["ap50"] == pytest.approx((class0 + 1.0) / 2)
     # A duplicate ranked below every hit costs nothing: precision at each recall is unchanged.
-    late = [prediction(0, [SMALL, MEDIUM, SMALL], [0.9, 0.8, 0.7], [0, 0, 0]), prediction(1, [OTHER], [0.7], [3])]
+    late = [
+        prediction(0, [SMALL, MEDIUM, SMALL], [0.9, 0.8, 0.7], [0, 0, 0]),
+        prediction(1, [OTHER], [0.7], [3]),
+    ]
     assert coco_box_ap(ground_truth(), late)["ap"] == pytest.approx(1.0)
 
 
@@ -85,7 +97,10 @@ def test_a_wrong_class_or_a_poor_box_scores_nothing_at_strict_thresholds() -> No
     # The other image's box shifted by 8 of its 40 pixels: IoU = 32*40 / (2*1600 - 1280) = 2/3,
     # a hit at IoU thresholds 0.5, 0.55, 0.6 and 0.65, a miss from 0.7 on (so at AP75).
     shifted = [OTHER[0] + 8, OTHER[1], OTHER[2] + 8, OTHER[3]]
-    metrics = coco_box_ap(ground_truth(), [prediction(0, [SMALL, MEDIUM], [0.9, 0.8], [0, 0]), prediction(1, [shifted], [0.7], [3])])
+    metrics = coco_box_ap(
+        ground_truth(),
+        [prediction(0, [SMALL, MEDIUM], [0.9, 0.8], [0, 0]), prediction(1, [shifted], [0.7], [3])],
+    )
     assert metrics["ap50"] == pytest.approx(1.0)
     assert metrics["ap75"] == pytest.approx(0.5)  # class 0 perfect, class 3 missed
     assert metrics["ap"] == pytest.approx((1.0 + 4 / 10) / 2)  # class 3 hits at 4 of the 10 thresholds

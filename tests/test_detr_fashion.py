@@ -11,13 +11,16 @@ import torch
 
 pytest.importorskip("transformers")
 
-import leanformer  # noqa: E402
-from leanformer.engine.detection_eval import coco_box_ap  # noqa: E402
-from leanformer.models.detr_fashion import detections, host_targets  # noqa: E402
-from leanformer.patch.transformers.detr import is_patched  # noqa: E402
+import leanformer
+from leanformer.engine.detection_eval import coco_box_ap
+from leanformer.models.detr_fashion import detections, host_targets
+from leanformer.patch.transformers.detr import is_patched
 
 TARGETS = [
-    {"boxes": torch.tensor([[8.0, 8.0, 30.0, 40.0], [32.0, 20.0, 60.0, 44.0]]), "labels": torch.tensor([1, 7])},
+    {
+        "boxes": torch.tensor([[8.0, 8.0, 30.0, 40.0], [32.0, 20.0, 60.0, 44.0]]),
+        "labels": torch.tensor([1, 7]),
+    },
     {"boxes": torch.tensor([[4.0, 10.0, 24.0, 30.0]]), "labels": torch.tensor([9])},
 ]
 
@@ -63,7 +66,9 @@ def test_a_training_step_gives_finite_gradients_to_every_parameter(enact: bool) 
 
 def test_targets_become_the_hosts_fractional_centre_boxes() -> None:
     converted = host_targets(TARGETS, (64, 128))  # height 64, width 128
-    expected = torch.tensor([[19.0 / 128, 24.0 / 64, 22.0 / 128, 32.0 / 64], [46.0 / 128, 32.0 / 64, 28.0 / 128, 24.0 / 64]])
+    expected = torch.tensor(
+        [[19.0 / 128, 24.0 / 64, 22.0 / 128, 32.0 / 64], [46.0 / 128, 32.0 / 64, 28.0 / 128, 24.0 / 64]]
+    )
     torch.testing.assert_close(converted[0]["boxes"], expected)
     assert converted[1]["class_labels"].tolist() == [9]
     with pytest.raises(ValueError, match="boxes \\[K, 4\\] and labels \\[K\\]"):
@@ -77,7 +82,9 @@ def test_detections_keep_the_best_query_class_pairs_in_pixels() -> None:
     (best,) = detections(logits, pred_boxes, (100, 200), max_detections=2)
     torch.testing.assert_close(best["scores"], torch.sigmoid(torch.tensor([3.0, 1.0])))
     assert best["labels"].tolist() == [1, 0]
-    torch.testing.assert_close(best["boxes"], torch.tensor([[0.0, 50.0, 100.0, 100.0], [80.0, 30.0, 120.0, 70.0]]))
+    torch.testing.assert_close(
+        best["boxes"], torch.tensor([[0.0, 50.0, 100.0, 100.0], [80.0, 30.0, 120.0, 70.0]])
+    )
 
 
 def test_predictions_feed_the_coco_evaluation() -> None:
@@ -89,7 +96,14 @@ def test_predictions_feed_the_coco_evaluation() -> None:
     truth = {
         "images": [{"id": 0}, {"id": 1}],
         "annotations": [
-            {"id": 1, "image_id": 0, "category_id": 2, "bbox": [8.0, 8.0, 22.0, 32.0], "area": 704.0, "iscrowd": 0}
+            {
+                "id": 1,
+                "image_id": 0,
+                "category_id": 2,
+                "bbox": [8.0, 8.0, 22.0, 32.0],
+                "area": 704.0,
+                "iscrowd": 0,
+            }
         ],
         "categories": [{"id": c + 1} for c in range(10)],
     }
@@ -99,7 +113,7 @@ def test_predictions_feed_the_coco_evaluation() -> None:
 
 
 def test_bad_options_are_refused() -> None:
-    with pytest.raises(ValueError, match="d_model .* must be divisible by num_heads"):
+    with pytest.raises(ValueError, match=r"d_model .* must be divisible by num_heads"):
         leanformer.create_model("detr_fashion_test", d_model=30, num_heads=4)
     with pytest.raises(ValueError, match="img_size must be >= 16"):
         leanformer.create_model("detr_fashion_test", img_size=8)

@@ -22,7 +22,9 @@ def fake_garments(n: int = 12, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     for i in range(n):
         top, left = torch.randint(0, 8, (2,), generator=gen).tolist()
         h, w = torch.randint(10, 20, (2,), generator=gen).tolist()
-        garments[i, top : top + h, left : left + w] = torch.randint(80, 256, (h, w), generator=gen).to(torch.uint8)
+        garments[i, top : top + h, left : left + w] = torch.randint(80, 256, (h, w), generator=gen).to(
+            torch.uint8
+        )
         garments[i, top + h : top + h + 1, left : left + w] = 10  # too faint to be the garment's own
     return garments, torch.arange(n) % 10
 

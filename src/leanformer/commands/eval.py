@@ -200,7 +200,9 @@ def _run_detection(args: argparse.Namespace, cfg: RunConfig, model: Any, dataset
 
     name = getattr(model, "leanformer_name", cfg.model)
     if getattr(model, "task", None) != "detection":
-        raise ValueError(f"{cfg.data.name} is a detection dataset: {name} is not a detector (try detr_fashion)")
+        raise ValueError(
+            f"{cfg.data.name} is a detection dataset: {name} is not a detector (try detr_fashion)"
+        )
     if dataset.info.task != "detection":
         raise ValueError(f"{name} is a detector: evaluate it on a detection dataset (fashion_detect)")
     if cfg.compile:
@@ -218,12 +220,10 @@ def _run_detection(args: argparse.Namespace, cfg: RunConfig, model: Any, dataset
     row: dict[str, Any] = {"model": name, "split": args.split, **metrics, "n": int(metrics["n"] or 0)}
     row.update(model_options(args))
     if not args.json:
-        sizes = ", ".join(
-            f"{size} {_percent(row['ap_' + size])}" for size in ("small", "medium", "large")
-        )
+        sizes = ", ".join(f"{size} {_percent(row['ap_' + size])}" for size in ("small", "medium", "large"))
         print(
-            f"{name} on {cfg.data.name}/{args.split}: AP {_percent(row['ap'])}, AP50 {_percent(row['ap50'])}, "
-            f"AP75 {_percent(row['ap75'])} (by size: {sizes}; n={row['n']})"
+            f"{name} on {cfg.data.name}/{args.split}: AP {_percent(row['ap'])}, "
+            f"AP50 {_percent(row['ap50'])}, AP75 {_percent(row['ap75'])} (by size: {sizes}; n={row['n']})"
         )
     return [row]
 

@@ -158,7 +158,9 @@ def _resized_tiles(garments: Tensor, picks: Tensor, sizes: Tensor, tile: int) ->
     for size in flat_sizes.unique().tolist():
         which = (flat_sizes == size).nonzero().flatten()
         source = garments[flat_picks[which]].float()[:, None] / 255
-        resized = F.interpolate(source, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+        resized = F.interpolate(
+            source, size=(size, size), mode="bilinear", antialias=True, align_corners=False
+        )
         tiles[which, :size, :size] = resized[:, 0].clamp(0, 1)
     return tiles.view(n, J, tile, tile)
 
@@ -166,7 +168,7 @@ def _resized_tiles(garments: Tensor, picks: Tensor, sizes: Tensor, tile: int) ->
 def _tight_boxes(owner: Tensor, slots: int) -> tuple[Tensor, Tensor]:
     """Boxes ``[n, J, 4]`` around each slot's pixels in ``owner [n, S, S]`` and whether the slot
     has any ``[n, J]`` (an empty slot's box is zeros)."""
-    n, S, _ = owner.shape
+    S = owner.shape[-1]
     masks = owner[:, None] == torch.arange(slots, dtype=torch.int8)[None, :, None, None]  # [n, J, S, S]
     in_cols, in_rows = masks.any(dim=2), masks.any(dim=3)  # [n, J, S] each
     visible = in_cols.any(dim=2)

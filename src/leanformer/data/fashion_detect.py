@@ -123,7 +123,8 @@ def coco_ground_truth(dataset: FashionDetect, *, masks: bool = False) -> dict[st
     """
     canvases = dataset.canvases
     size = canvases.images.shape[-1]
-    images, annotations = [], []
+    images: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
     for index in range(len(canvases)):
         images.append({"id": index, "width": size, "height": size, "file_name": f"{index}.png"})
         boxes, labels, instance_masks = canvases.instances(index)

@@ -49,7 +49,9 @@ def coco_results(predictions: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return results
 
 
-def coco_box_ap(ground_truth: dict[str, Any], predictions: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+def coco_box_ap(
+    ground_truth: dict[str, Any], predictions: Sequence[dict[str, Any]]
+) -> dict[str, float | None]:
     """``{"ap", "ap50", "ap75", "ap_small", "ap_medium", "ap_large"}`` of ``predictions`` against
     ``ground_truth`` (COCO's defaults: IoU 0.50:0.95, up to 100 detections per image)."""
     try:
@@ -97,7 +99,9 @@ def evaluate_detection(
         for images, targets in loader:
             outputs = predict(images.to(device))
             for output, target in zip(outputs, targets, strict=True):
-                predictions.append({**{k: v.cpu() for k, v in output.items()}, "image_id": target["image_id"]})
+                predictions.append(
+                    {**{k: v.cpu() for k, v in output.items()}, "image_id": target["image_id"]}
+                )
     finally:
         model.train(was_training)
     if not predictions:

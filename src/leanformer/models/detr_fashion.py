@@ -87,7 +87,8 @@ class DetrFashion(nn.Module):
             "use_pretrained_backbone": False,
             "out_indices": [2],  # stride 8
         }
-        config = ConditionalDetrConfig(
+        # num_labels is a field of every transformers config, taken through **kwargs.
+        config = ConditionalDetrConfig(  # type: ignore[call-arg]
             backbone_config=backbone,
             num_channels=in_chans,
             num_labels=num_classes,
@@ -125,7 +126,9 @@ class DetrFashion(nn.Module):
         return detections(output.logits, output.pred_boxes, images.shape[-2:], self.max_detections)
 
 
-def host_targets(targets: list[dict[str, Tensor]], size: tuple[int, int] | torch.Size) -> list[dict[str, Tensor]]:
+def host_targets(
+    targets: list[dict[str, Tensor]], size: tuple[int, int] | torch.Size
+) -> list[dict[str, Tensor]]:
     """Targets in pixels (``boxes`` x0, y0, x1, y1; ``labels``) as the host's loss takes them:
     ``class_labels`` and ``boxes`` (cx, cy, w, h) as fractions of the image."""
     H, W = size
@@ -160,7 +163,8 @@ def _thaw_batch_norms(module: nn.Module) -> None:
     """Replace the host's frozen batch norms (buffers only) by trainable ``nn.BatchNorm2d``."""
     for name, child in module.named_children():
         if type(child).__name__.endswith("FrozenBatchNorm2d"):
-            setattr(module, name, nn.BatchNorm2d(child.weight.shape[0]))
+            weight: Tensor = child.weight  # type: ignore[assignment]  # a buffer of the frozen norm
+            setattr(module, name, nn.BatchNorm2d(weight.shape[0]))
         else:
             _thaw_batch_norms(child)
 
