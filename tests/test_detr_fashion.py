@@ -131,5 +131,25 @@ def test_eval_scores_a_detector_on_fashion_detect(tmp_path: Path, capsys) -> Non
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["model"] == "detr_fashion_test" and row["n"] == 3
     assert all(isinstance(row[k], float) and math.isfinite(row[k]) for k in ("ap", "ap50", "ap75"))
+    limited = [
+        "eval",
+        "--model",
+        "detr_fashion_test",
+        *data,
+        "--data.img_size",
+        "64",
+        "--data.limit_test",
+        "2",
+    ]
+    assert main([*limited, "--json"]) in (0, None)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["n"] == 2
+    assert main([*limited, "--compile"]) == 2
+    assert "a detector is evaluated eagerly" in capsys.readouterr().err
     assert main(["eval", "--model", "deit_tiny", *data]) == 2
-    assert "deit_tiny is not a detector" in capsys.readouterr().err
+    assert "deit_tiny is a classification model, but the dataset's targets are for detection" in (
+        capsys.readouterr().err
+    )
+    assert main(["eval", "--model", "detr_fashion_test", "--data", "digits"]) == 2
+    assert "detr_fashion_test is a detection model, but the dataset's targets are for classification" in (
+        capsys.readouterr().err
+    )

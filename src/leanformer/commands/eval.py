@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     dataset = build_split(cfg.data, args.split, evaluation=True)
     info = dataset.info  # type: ignore[attr-defined]
     check_model_fits(model, info)
-    if info.task == "detection" or getattr(model, "task", None) == "detection":
+    if info.task == "detection":
         return _run_detection(args, cfg, model, dataset)
     kept: list[torch.Tensor] = []
 
@@ -198,13 +198,7 @@ def _run_detection(args: argparse.Namespace, cfg: RunConfig, model: Any, dataset
     from leanformer.data.fashion_detect import coco_ground_truth, collate_detection
     from leanformer.engine.detection_eval import evaluate_detection
 
-    name = getattr(model, "leanformer_name", cfg.model)
-    if getattr(model, "task", None) != "detection":
-        raise ValueError(
-            f"{cfg.data.name} is a detection dataset: {name} is not a detector (try detr_fashion)"
-        )
-    if dataset.info.task != "detection":
-        raise ValueError(f"{name} is a detector: evaluate it on a detection dataset (fashion_detect)")
+    name = getattr(model, "leanformer_name", cfg.model)  # check_model_fits matched model and data tasks
     if cfg.compile:
         raise ValueError("--compile is for classifiers; a detector is evaluated eagerly")
     forward_kwargs(args, model)  # refuses the Perceivers' call-time options by name
