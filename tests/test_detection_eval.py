@@ -122,3 +122,19 @@ def test_bad_predictions_are_refused() -> None:
         coco_results([prediction(0, [[0.0, 0.0, float("nan"), 1.0]], [0.9], [0])])
     with pytest.raises(ValueError, match=r"images not in the ground truth: \[7\]"):
         coco_box_ap(ground_truth(), [prediction(7, [SMALL], [0.9], [0])])
+
+
+def test_a_dataset_without_boxes_is_refused(tmp_path) -> None:
+    from leanformer.data import build_dataset
+    from leanformer.engine.detection_eval import evaluate_detector
+    from test_fashion_detect import write_fake_fashion
+
+    write_fake_fashion(tmp_path)
+    semantic = build_dataset(
+        "fashion_detect", split="test", root=str(tmp_path), num_canvases=2, target="semantic"
+    )
+    with pytest.raises(ValueError, match="needs fashion_detect with target=detection"):
+        evaluate_detector(torch.nn.Identity(), semantic, batch_size=2)
+    detection = build_dataset("fashion_detect", split="test", root=str(tmp_path), num_canvases=2)
+    with pytest.raises(ValueError, match="Identity is not a detector"):
+        evaluate_detector(torch.nn.Identity(), detection, batch_size=2)

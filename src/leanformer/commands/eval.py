@@ -193,24 +193,14 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def _run_detection(args: argparse.Namespace, cfg: RunConfig, model: Any, dataset: Any) -> list[dict]:
     """COCO box AP, AP50, AP75 and AP by object size of a detector on a detection dataset."""
-    from torch.utils.data import DataLoader
-
-    from leanformer.data.fashion_detect import coco_ground_truth, collate_detection
-    from leanformer.engine.detection_eval import evaluate_detection
+    from leanformer.engine.detection_eval import evaluate_detector
 
     name = getattr(model, "leanformer_name", cfg.model)  # check_model_fits matched model and data tasks
     if cfg.compile:
         raise ValueError("--compile is for classifiers; a detector is evaluated eagerly")
     forward_kwargs(args, model)  # refuses the Perceivers' call-time options by name
-    inner = getattr(dataset, "dataset", dataset)  # under --data.limit_test, the limited dataset's source
-    ground_truth = coco_ground_truth(inner)
-    if len(dataset) < len(inner):  # score only the images evaluated
-        kept = set(range(len(dataset)))
-        ground_truth["images"] = [image for image in ground_truth["images"] if image["id"] in kept]
-        ground_truth["annotations"] = [a for a in ground_truth["annotations"] if a["image_id"] in kept]
     batch_size = args.batch_size or cfg.data.eval_batch_size
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_detection)
-    metrics = evaluate_detection(model, loader, ground_truth, device=args.device)
+    metrics = evaluate_detector(model, dataset, batch_size=batch_size, device=args.device)
     row: dict[str, Any] = {"model": name, "split": args.split, **metrics, "n": int(metrics["n"] or 0)}
     row.update(model_options(args))
     if not args.json:

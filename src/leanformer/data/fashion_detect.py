@@ -114,18 +114,21 @@ def build_fashion_detect(
 build_fashion_detect.splits = ("train", "val", "test")  # type: ignore[attr-defined]
 
 
-def coco_ground_truth(dataset: FashionDetect, *, masks: bool = False) -> dict[str, Any]:
+def coco_ground_truth(
+    dataset: FashionDetect, *, masks: bool = False, limit: int | None = None
+) -> dict[str, Any]:
     """The canvases' objects as a COCO dataset dict (``images``, ``annotations``, ``categories``).
 
     Category ids are ``1 + class`` (COCO starts at 1); ``bbox`` is ``[x, y, w, h]``; ``area``
     is the garment's visible pixel count, which sets COCO's small / medium / large.
-    ``masks=True`` adds each garment's visible pixels as an uncompressed RLE ``segmentation``.
+    ``masks=True`` adds each garment's visible pixels as an uncompressed RLE ``segmentation``;
+    ``limit``: only the first ``limit`` canvases.
     """
     canvases = dataset.canvases
     size = canvases.images.shape[-1]
     images: list[dict[str, Any]] = []
     annotations: list[dict[str, Any]] = []
-    for index in range(len(canvases)):
+    for index in range(len(canvases) if limit is None else min(limit, len(canvases))):
         images.append({"id": index, "width": size, "height": size, "file_name": f"{index}.png"})
         boxes, labels, instance_masks = canvases.instances(index)
         for box, label, mask in zip(boxes.tolist(), labels.tolist(), instance_masks):

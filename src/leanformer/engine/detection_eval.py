@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
 
 METRICS = ("ap", "ap50", "ap75", "ap_small", "ap_medium", "ap_large")
 HOW_TO_GET = "COCO evaluation needs pycocotools: pip install pycocotools (or leanformer[detection])"
@@ -107,3 +108,19 @@ def evaluate_detection(
     if not predictions:
         raise ValueError("evaluation data is empty")
     return {**coco_box_ap(ground_truth, predictions), "n": float(len(predictions))}
+
+
+def evaluate_detector(
+    model: nn.Module, dataset: Dataset, *, batch_size: int, device: torch.device | str = "cpu"
+) -> dict[str, float | None]:
+    """:func:`evaluate_detection` of ``model`` on a ``fashion_detect`` split (or the first items of
+    one, as a ``LimitedDataset`` holds them), against that split's COCO ground truth."""
+    from leanformer.data.fashion_detect import FashionDetect, coco_ground_truth, collate_detection
+
+    source = getattr(dataset, "dataset", dataset)  # a LimitedDataset's source
+    if not isinstance(source, FashionDetect) or source.target != "detection":
+        raise ValueError("detection evaluation needs fashion_detect with target=detection")
+    count = len(dataset)  # type: ignore[arg-type]
+    ground_truth = coco_ground_truth(source, limit=count)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate_detection)
+    return evaluate_detection(model, loader, ground_truth, device=device)
