@@ -103,6 +103,9 @@ def _contract(name: str, batch: int, max_img_size: int | None = None) -> None:
         # The same layers on a smaller input: every parameter is still exercised, at a fraction of the cost.
         options["img_size"] = max_img_size
     model = leanformer.create_model(name, **options)
+    if getattr(model, "task", "classification") == "detection":
+        _detection_contract(name, model, batch)
+        return
     for method in ("forward_features", "forward_head", "reset_classifier"):
         assert callable(getattr(model, method, None)), f"{name} lacks {method}"
     model.train()
@@ -127,6 +130,27 @@ def _contract(name: str, batch: int, max_img_size: int | None = None) -> None:
     assert model.num_classes == 3  # a refused reset leaves the model as it was
     with torch.no_grad():
         assert model(*inputs).shape == (batch, 3)
+
+
+def _detection_contract(name: str, model: torch.nn.Module, batch: int) -> None:
+    """A detector: its loss on a target per image trains every parameter; ``predict`` gives
+    boxes, scores and labels per image."""
+    model.train()
+    (images,) = example_inputs(model, batch)
+    size = images.shape[-1]
+    box = torch.tensor([[0.1, 0.2, 0.6, 0.7]]) * size
+    targets = [{"boxes": box, "labels": torch.tensor([i % model.num_classes])} for i in range(batch)]
+    loss = model(images, targets).loss
+    assert torch.isfinite(loss)
+    loss.backward()
+    no_grad = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None)]
+    assert not no_grad, f"{name}: parameters without gradient: {no_grad[:5]}"
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    predictions = model.eval().predict(images)
+    assert len(predictions) == batch
+    for p in predictions:
+        assert p["boxes"].shape == (len(p["scores"]), 4) and p["labels"].shape == p["scores"].shape
+        assert ((p["labels"] >= 0) & (p["labels"] < model.num_classes)).all()
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -1,4 +1,5 @@
-"""`leanformer eval`: top-1 of a checkpoint (or a registered model) on a dataset split."""
+"""`leanformer eval`: top-1 of a checkpoint (or a registered model) on a dataset split; COCO box AP
+of a detector on a detection dataset."""
 
 from __future__ import annotations
 
@@ -141,6 +142,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     dataset = build_split(cfg.data, args.split, evaluation=True)
     info = dataset.info  # type: ignore[attr-defined]
     check_model_fits(model, info)
+    if info.task == "detection":
+        return _run_detection(args, cfg, model, dataset)
     kept: list[torch.Tensor] = []
 
     def collect(m: torch.nn.Module) -> None:
@@ -191,3 +194,29 @@ def run(args: argparse.Namespace) -> list[dict]:
             f"(loss {row['loss']:.4f}, n={row['n']}){extra}"
         )
     return [row]
+
+
+def _run_detection(args: argparse.Namespace, cfg: RunConfig, model: Any, dataset: Any) -> list[dict]:
+    """COCO box AP, AP50, AP75 and AP by object size of a detector on a detection dataset."""
+    from leanformer.engine.detection_eval import evaluate_detector
+
+    name = getattr(model, "leanformer_name", cfg.model)  # check_model_fits matched model and data tasks
+    if cfg.compile:
+        raise ValueError("--compile is for classifiers; a detector is evaluated eagerly")
+    forward_kwargs(args, model)  # refuses the Perceivers' call-time options by name
+    batch_size = args.batch_size or cfg.data.eval_batch_size
+    metrics = evaluate_detector(model, dataset, batch_size=batch_size, device=args.device)
+    row: dict[str, Any] = {"model": name, "split": args.split, **metrics, "n": int(metrics["n"] or 0)}
+    row.update(model_options(args))
+    if not args.json:
+        sizes = ", ".join(f"{size} {_percent(row['ap_' + size])}" for size in ("small", "medium", "large"))
+        print(
+            f"{name} on {cfg.data.name}/{args.split}: AP {_percent(row['ap'])}, "
+            f"AP50 {_percent(row['ap50'])}, AP75 {_percent(row['ap75'])} (by size: {sizes}; n={row['n']})"
+        )
+    return [row]
+
+
+def _percent(value: float | None) -> str:
+    """COCO AP as the field prints it (x100); an area range without objects has none."""
+    return "n/a" if value is None else f"{100 * value:.1f}"

@@ -35,6 +35,9 @@ class DatasetInfo:
     # augmentations that work on pixels (RandAugment) undo and redo it. None: unknown.
     mean: tuple[float, ...] | None = None
     std: tuple[float, ...] | None = None
+    # What a target is: "classification" (a class index), "detection" (a dict of boxes,
+    # labels, masks per image) or "semantic" (a class per pixel).
+    task: str = "classification"
 
 
 Builder = Callable[..., Dataset]

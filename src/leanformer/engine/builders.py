@@ -55,6 +55,12 @@ def build_split(data: DataConfig, split: str, *, evaluation: bool = False) -> Da
 def check_data_fits(model_cls: type[nn.Module], info: DatasetInfo, *, name: str | None = None) -> None:
     """A clear error when the data gives a different number of inputs per example than the
     model takes (a pair dataset for a single-image model, or the other way round)."""
+    task = getattr(model_cls, "task", "classification")  # a detector says "detection"
+    if task != info.task:
+        raise ValueError(
+            f"{name or model_cls.__name__} is a {task} model, but the dataset's targets are for "
+            f"{info.task} (detectors such as detr_fashion go with fashion_detect)"
+        )
     takes = getattr(model_cls, "NUM_INPUTS", 1)
     if takes != info.inputs:
         what = {1: "one image", 2: "a pair of inputs"}
