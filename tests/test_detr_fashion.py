@@ -153,3 +153,15 @@ def test_eval_scores_a_detector_on_fashion_detect(tmp_path: Path, capsys) -> Non
     assert "detr_fashion_test is a detection model, but the dataset's targets are for classification" in (
         capsys.readouterr().err
     )
+
+
+def test_train_refuses_a_detection_data_set_before_writing(tmp_path: Path, capsys) -> None:
+    from leanformer.cli import main
+    from test_fashion_detect import write_fake_fashion
+
+    write_fake_fashion(tmp_path)
+    data = ["--data", "fashion_detect", "--data-root", str(tmp_path), "--data.options.num_canvases", "3"]
+    out = tmp_path / "run"
+    assert main(["train", "--model", "detr_fashion_test", *data, "--out", str(out), "--quiet"]) == 2
+    assert "fashion_detect is a detection data set" in capsys.readouterr().err
+    assert not out.exists()

@@ -350,6 +350,12 @@ def _fit(
         train_set = with_recipe_augmentation(build_split(cfg.data, "train"), cfg.aug)
         test_set = _eval_split(cfg)
         info = train_set.info  # type: ignore[attr-defined]
+        if info.task != "classification":
+            # Detection and segmentation targets need their own loss and collation.
+            raise ValueError(
+                f"train: {cfg.data.name} is a {info.task} data set; `leanformer train` trains "
+                "classifiers only (evaluate detectors with `leanformer eval`)"
+            )
         torch.manual_seed(cfg.seed)  # identical initial weights on every process
         model, model_options = build_model(cfg.model, cfg.model_options, info)
         model.to(device)
