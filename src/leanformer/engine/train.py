@@ -31,7 +31,6 @@ from leanformer.config import (
     TrainConfig,
     check_seed,
     flag_names,
-    parse_model_options,
     plain_options,
     to_dict,
 )
@@ -50,6 +49,7 @@ from leanformer.engine.distributed import DistInfo, barrier, cleanup_distributed
 from leanformer.engine.evaluate import call_model, evaluate, to_device
 from leanformer.engine.folder_lock import is_main_process, locked_folder
 from leanformer.engine.query_masking import QUERY_DISTRIBUTIONS, sample_num_queries
+from leanformer.engine.resume_rule import check_resume
 from leanformer.engine.run_folder import (
     CONFIG_NAME,
     check_new_run_folder,
@@ -367,43 +367,13 @@ def _fit(
         start_epoch, history = 0, cast(list[dict[str, Any]], [])
         if resume and out is not None and (out / CHECKPOINT_NAME).exists():
             ckpt = load_checkpoint(out / CHECKPOINT_NAME)
-            saved_options = parse_model_options(ckpt.meta.get("model_options", {}))
-            if ckpt.meta.get("model_name") != cfg.model or saved_options != model_options:
-                raise ValueError(
-                    f"checkpoint in {out} is for {ckpt.meta.get('model_name')} "
-                    f"{ckpt.meta.get('model_options')}, not {cfg.model} {model_options}"
-                )
-            # The optimizer and schedule resume from their saved state, which a new lr,
-            # floor or warmup would contradict; only the number of epochs may change.
-            saved_optim = dict(ckpt.meta.get("config", {}).get("optim", {}))
-            changed = [
-                f"{key} {saved_optim[key]} -> {getattr(cfg.optim, key)}"
-                for key in saved_optim
-                if key != "epochs" and hasattr(cfg.optim, key) and getattr(cfg.optim, key) != saved_optim[key]
-            ]
-            if changed:
-                raise ValueError(
-                    f"resume: optim settings cannot change in a resumed run ({', '.join(changed)}); "
-                    "only optim.epochs can"
-                )
-            # Query Masking's sampler resumes from its saved state, which a run trained
-            # without it has not (and a run trained with it would silently stop masking).
-            saved_train = dict(ckpt.meta.get("config", {}).get("train", {}))
-            switched = [
-                f"{key} {saved_train.get(key, default)} -> {getattr(cfg.train, key)}"
-                for key, default in (("query_masking", False), ("query_distribution", "uniform"))
-                if saved_train.get(key, default) != getattr(cfg.train, key)
-            ]
-            if switched:
-                raise ValueError(
-                    f"resume: Query Masking cannot change in a resumed run ({', '.join(switched)}); "
-                    "train a new run (another --out) to change it"
-                )
-            saved_seed = ckpt.meta.get("config", {}).get("seed", cfg.seed)
-            if saved_seed != cfg.seed:
-                raise ValueError(
-                    f"resume: the run was seeded with {saved_seed}, not {cfg.seed}; a run keeps its seed"
-                )
+            check_resume(
+                ckpt.meta.get("config", {}),
+                cfg,
+                saved_model_options=ckpt.meta.get("model_options", {}),
+                model_options=model_options,
+                without_effect=[f"train.{key}" for key, *_ in _ignored_options(cfg.train)],
+            )
             # One random state per process of the run; every rank checks, so all stop.
             saved_states = ckpt.extra["torch_rng"]
             if dist_info.world_size > len(saved_states):
