@@ -35,6 +35,8 @@ from typing import Any
 
 import yaml
 
+from leanformer.strict_yaml import safe_load_strict
+
 # Keep schedules copied from the Token Pooling paper, appendix G: the maximal number of
 # tokens (class token excluded) retained after each of the 12 transformer blocks.
 # DeiT-S level 0 is printed with 13 entries, ending in seven 173s for a 12-block model
@@ -251,7 +253,7 @@ def _parse_text(text: str) -> KeepSchedule:
         return KeepSchedule(remove=int(name[1:]))
     if name[:1] in "[{":  # a YAML list or mapping, as a dotted config override spells it
         try:
-            value = yaml.safe_load(name)
+            value = safe_load_strict(name)
         except yaml.YAMLError:
             raise ValueError(f"keep {text!r} is not a valid YAML list or mapping") from None
         return parse_keep(value)
