@@ -48,15 +48,29 @@ _STATE_KEYS = ("optimizer", "scheduler", "extra")
 _HEADER_LENGTH_BYTES = 8  # safetensors: a little-endian u64, then the JSON header
 
 
+def _temporary_check(name: str, nonce: str) -> str:
+    # A check on the random part (and the file it stands for): a file a user named like a
+    # temporary (`.metrics.jsonl.deadbeef.tmp`) does not carry it, so cleanup leaves it.
+    return hashlib.sha256(f"leanformer temporary {name} {nonce}".encode()).hexdigest()[:8]
+
+
 def temporary_name(path: Path) -> Path:
-    """Where ``path`` is written before it is renamed into place: ``.<name>.<random>.tmp``
+    """Where ``path`` is written before it is renamed into place: ``.<name>.<random><check>.tmp``
     beside it (same file system, so the rename is atomic; a leading dot hides it)."""
-    return path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    nonce = secrets.token_hex(4)
+    return path.with_name(f".{path.name}.{nonce}{_temporary_check(path.name, nonce)}.tmp")
 
 
 def is_temporary_of(candidate: Path, name: str) -> bool:
-    """Whether ``candidate`` is a temporary file :func:`atomic_write` made for file ``name``."""
-    return candidate.name.startswith(f".{name}.") and candidate.name.endswith(".tmp")
+    """Whether ``candidate`` is a temporary file :func:`atomic_write` made for file ``name``
+    (its name carries the check only this module computes)."""
+    prefix, suffix = f".{name}.", ".tmp"
+    if not (candidate.name.startswith(prefix) and candidate.name.endswith(suffix)):
+        return False
+    middle = candidate.name[len(prefix) : -len(suffix)]
+    if len(middle) != 16 or any(c not in "0123456789abcdef" for c in middle):
+        return False
+    return middle[8:] == _temporary_check(name, middle[:8])
 
 
 def _fsync_folder(folder: Path) -> None:
