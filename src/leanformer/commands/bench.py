@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint", help="bench a trained checkpoint (file or run folder) instead of --model"
     )
+    parser.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="load a checkpoint whose weights hold NaN or inf (refused otherwise)",
+    )
     add_host_arguments(parser)
     # One input size or the other: an encoder's feature map comes from --feature-size when
     # given, so an --img-size beside it would be reported but unused.
@@ -71,6 +76,8 @@ def _int_or_none(size: Any) -> int | None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.allow_nonfinite and not args.checkpoint:
+        raise ValueError("--allow-nonfinite is for the weights of a --checkpoint; give --checkpoint")
     if _hf_detr.is_requested(args):
         return _hf_detr.run(args)
     _hf_detr.refuse_detr_flags(args)
@@ -87,7 +94,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.checkpoint:
         from leanformer.engine.checkpoint import load_model
 
-        model = load_model(args.checkpoint, **options)
+        model = load_model(args.checkpoint, allow_nonfinite=args.allow_nonfinite, **options)
         name = getattr(model, "leanformer_name", "checkpoint")
     elif args.model:
         name = args.model

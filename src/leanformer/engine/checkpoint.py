@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from leanformer.errors import UnverifiedCheckpointWarning
 from leanformer.models.registry import create_model
-from leanformer.models.state_loading import load_state_lenient
+from leanformer.models.state_loading import check_finite_state, load_state_lenient
 
 # Version 2 records the whole file's SHA-256; version 1 files had a tensor-bytes digest or none.
 FORMAT = "leanformer-checkpoint-2"
@@ -360,11 +360,18 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     )
 
 
-def load_model(path: str | Path, *, device: str | torch.device = "cpu", **overrides: Any) -> nn.Module:
+def load_model(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    allow_nonfinite: bool = False,
+    **overrides: Any,
+) -> nn.Module:
     """Rebuild the model saved in checkpoint ``path`` from its config and load its weights.
 
     ``overrides`` replace constructor options (e.g. ``pool=``, ``keep=`` to evaluate the
     trained weights with token pooling); options that add parameters leave them at init.
+    Weights holding a NaN or an inf are refused unless ``allow_nonfinite``.
     """
     path = resolve_checkpoint(path)
     # The model's tensors only: an optimizer's state can be twice their size.
@@ -376,11 +383,13 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", **overri
     if not isinstance(options, dict):
         raise ValueError(f"checkpoint {path}: its model_options are damaged (not a mapping)")
     options = dict(options)
+    weights = _model_state(tensors)
+    check_finite_state(weights, source=f"checkpoint {path}", allow_nonfinite=allow_nonfinite)
     model = create_model(name, **{**options, **overrides})
     changed = ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none"
     missing, unexpected = load_state_lenient(
         model,
-        _model_state(tensors),
+        weights,
         mismatch=f"the weights in {path} do not fit {name} with the options {changed}",
     )
     if missing and not overrides:

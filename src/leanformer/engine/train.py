@@ -203,6 +203,7 @@ class _LossFn:
         self.teacher = teacher
         self.weight = cfg.train.distill_weight
         self.tau = cfg.train.distill_tau
+        self.teacher_logits: Tensor | None = None  # the last batch's, to blame a NaN loss rightly
 
     def __call__(self, logits: Tensor, target: Tensor, inputs: Any) -> Tensor:
         loss = F.cross_entropy(logits, target, label_smoothing=self.smoothing)
@@ -210,8 +211,14 @@ class _LossFn:
             return loss
         with torch.no_grad():
             teacher_logits = call_model(self.teacher, inputs)
+        self.teacher_logits = teacher_logits
         soft = soft_cross_entropy(logits, teacher_logits, temperature=self.tau)
         return (1.0 - self.weight) * loss + self.weight * soft
+
+    def teacher_diverged(self) -> bool:
+        """Whether the teacher's last output held NaN or inf (checked only once a loss is
+        non-finite: no host sync per step)."""
+        return self.teacher_logits is not None and not bool(self.teacher_logits.isfinite().all())
 
 
 def _query_sampler(cfg: RunConfig, model: nn.Module, seed: int):
@@ -259,9 +266,17 @@ def _check_forward(
         loss_fn(logits, target, inputs)
 
 
-def _stop_message(loss: Tensor, epoch: int, step: int, out: Path | None, *, discarded: bool) -> str:
-    """Why training stopped, naming the checkpoint to go back to only if there is one."""
+def _stop_message(
+    loss: Tensor, epoch: int, step: int, out: Path | None, *, discarded: bool, teacher: str | None = None
+) -> str:
+    """Why training stopped, naming the checkpoint to go back to only if there is one, and
+    the ``teacher`` when its output was what became non-finite."""
     message = f"loss became {loss.item()} at epoch {epoch + 1}, step {step + 1}; training stopped"
+    if teacher is not None:
+        message = (
+            f"the teacher {teacher} gave NaN or inf scores at epoch {epoch + 1}, step {step + 1} "
+            "(the student's loss followed); training stopped"
+        )
     if out is not None and (out / CHECKPOINT_NAME).is_file():
         return f"{message}; the last good checkpoint is {out / CHECKPOINT_NAME}"
     if out is not None:
@@ -269,7 +284,7 @@ def _stop_message(loss: Tensor, epoch: int, step: int, out: Path | None, *, disc
     if discarded:
         message += f", and {out} keeps nothing of this run"
     # Diverging in the first epoch is nearly always a learning rate far too high.
-    return message + (" (is the learning rate too high?)" if epoch == 0 else "")
+    return message + (" (is the learning rate too high?)" if epoch == 0 and teacher is None else "")
 
 
 def fit(
@@ -428,7 +443,9 @@ def _fit(
                     # One host sync per step: a diverged run must stop before it overwrites anything.
                     if not torch.isfinite(loss).item():
                         discard = out is not None and dist_info.is_main and uncommitted()
-                        raise NonFiniteLossError(_stop_message(loss, epoch, step, out, discarded=discard))
+                        teacher = cfg.train.teacher if loss_fn.teacher_diverged() else None
+                        message = _stop_message(loss, epoch, step, out, discarded=discard, teacher=teacher)
+                        raise NonFiniteLossError(message)
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     if cfg.train.grad_clip is not None:

@@ -15,7 +15,7 @@ from typing import Any
 from safetensors.torch import load_file
 from torch import nn
 
-from leanformer.models.state_loading import load_state_lenient
+from leanformer.models.state_loading import check_finite_state, load_state_lenient
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
@@ -77,6 +77,7 @@ def load_pretrained(model: nn.Module, name: str) -> nn.Module:
             f"got {actual[:16]}...): the file is damaged or was replaced; reinstall leanformer"
         )
     state = load_file(str(path))
+    check_finite_state(state, source=f"shipped weights {path.name}")
     missing, unexpected = load_state_lenient(
         model,
         state,
