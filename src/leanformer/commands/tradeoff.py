@@ -36,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def find_preset(name: str) -> Path:
+    if "/" in name or "\\" in name or Path(name).suffix:
+        raise ValueError(
+            f"--preset {name!r} looks like a file; --preset names a sweep in configs/ "
+            "(e.g. tradeoff_digits): give a file with --config"
+        )
     for folder in PRESET_DIRS:
         path = folder / f"{name}.yaml"
         if path.is_file():

@@ -12,6 +12,7 @@ that the metadata is not) or none at all (loaded with that warning).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -105,8 +106,11 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            # Name the file being written, not the temporary that is gone.
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from None
         raise
     _fsync_folder(path.parent)
 

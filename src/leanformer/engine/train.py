@@ -95,6 +95,9 @@ def _validate(cfg: RunConfig) -> None:
     # A negative floor or decay would silently turn descent into ascent for some steps.
     if o.min_lr < 0:
         raise ValueError(f"optim.min_lr must be >= 0, got {o.min_lr}")
+    # The schedule decays from lr to min_lr: a floor above the peak would be silently capped.
+    if o.min_lr > o.lr:
+        raise ValueError(f"optim.min_lr ({o.min_lr}) must not exceed the peak optim.lr ({o.lr})")
     # `not x >= 0` also refuses NaN, which a config file's `.nan` gives (a flag refuses it).
     if not (o.weight_decay >= 0 and math.isfinite(o.weight_decay)):
         raise ValueError(f"optim.weight_decay must be a finite number >= 0, got {o.weight_decay}")

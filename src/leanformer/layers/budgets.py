@@ -251,6 +251,9 @@ def _parse_text(text: str) -> KeepSchedule:
         return KeepSchedule(blocks=PRESETS[name], preset=name)
     if name[:1] in "rR" and name[1:].isdigit():
         return KeepSchedule(remove=int(name[1:]))
+    if name[:1] in "rR" and re.fullmatch(r"[+-]?[0-9.eE+-]+", name[1:]):
+        # ToMe's form with another number: say what the form takes, not "unknown preset".
+        raise ValueError(f"keep {text!r}: ToMe's form r<N> removes a whole number N >= 0 of tokens per block")
     if name[:1] in "[{":  # a YAML list or mapping, as a dotted config override spells it
         try:
             value = safe_load_strict(name)
