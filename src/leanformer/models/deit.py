@@ -22,7 +22,7 @@ import timm
 from timm.models import register_model
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
-from torch import nn
+from torch import Tensor, nn
 
 from leanformer.layers.budgets import KeepLike
 from leanformer.layers.checks import (
@@ -137,6 +137,14 @@ class DeiT(VisionTransformer):
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         classifier(self.embed_dim, num_classes)  # raises before the model changes
         super().reset_classifier(num_classes, global_pool)
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """``x [B, C, H, W]`` -> logits ``[B, num_classes]``; an empty batch gives an empty
+        output (timm's position embedding cannot reshape zero images)."""
+        if x.shape[0] == 0:
+            prefix = x.new_zeros(0, self.num_prefix_tokens, self.embed_dim, dtype=self.cls_token.dtype)
+            return self.forward_head(prefix)
+        return super().forward(x, *args, **kwargs)
 
 
 class DistilledDeiT(DeiT, VisionTransformerDistilled):

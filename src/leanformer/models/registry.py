@@ -154,6 +154,11 @@ def create_model(name: str, *, pretrained: bool = False, **overrides: Any) -> nn
     ``pretrained=True`` loads the weights shipped with the package (checked against
     their SHA-256); a model without shipped weights raises a ValueError.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"create_model takes a model name (a str, see list_models()), got {name!r}")
+    # Only a real bool: `pretrained="no"` would be truthy and load the weights.
+    if not isinstance(pretrained, bool):
+        raise TypeError(f"pretrained must be True or False, got {pretrained!r}")
     entry = model_info(name)
     _check_options(name, entry.cls, overrides)
     if pretrained:
