@@ -114,8 +114,9 @@ def test_train_then_eval(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_progress_bars_only_on_a_terminal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Text-mode commands draw bars over their long work on a terminal, none with --quiet or
-    when stderr is captured."""
+    """Text-mode commands draw bars over their long work on a terminal; without one (a log,
+    a pipe) one plain line per epoch or sweep point and nothing for inner loops; nothing
+    with --quiet."""
     import io
 
     run = tmp_path / "run"
@@ -124,7 +125,10 @@ def test_progress_bars_only_on_a_terminal(
     evaluate = ["eval", "--checkpoint", str(run / "last.safetensors"), "--data.limit_test", "32"]
     assert main(train) == 0
     assert main(evaluate) == 0
-    assert capsys.readouterr().err == ""  # captured stderr is not a terminal
+    lines = capsys.readouterr().err.splitlines()  # captured stderr is not a terminal
+    assert len(lines) == 1 and lines[0].startswith("epochs: 1/1 top1=")
+    assert main([*train, "--overwrite", "--quiet"]) == 0
+    assert "epochs" not in capsys.readouterr().err
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

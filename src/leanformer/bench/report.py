@@ -106,4 +106,5 @@ def trained_model_row(
     img/s is measured in eval mode at ``batch_size`` on random inputs of the model's shape.
     """
     stats = bench_model(model, example_inputs(model, batch_size, device=device), memory=False)
-    return {"top1": top1, **{key: stats[key] for key in ("params_m", "gflops", "img_per_s", "threads")}}
+    kept = ("params_m", "gflops", "img_per_s", "threads", "spread_pct", "busy", "unreliable")
+    return {"top1": top1, **{key: stats[key] for key in kept}}

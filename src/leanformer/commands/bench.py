@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import torch
@@ -194,6 +195,12 @@ def _print(args: argparse.Namespace, name: str, row: dict[str, Any]) -> None:
         compile_text = f", compiled in {compiled:.1f} s (not in img/s)" if compiled is not None else ""
         print(
             f"{name}: {row['params_m']:.2f}M params, {row['gflops']:.4g} GFLOPs/sample, "
-            f"{row['img_per_s']:.1f} img/s (batch {args.batch_size}, {int(row['threads'])} threads)"
-            f"{mem_text}{compile_text}"
+            f"{row['img_per_s']:.1f} img/s ±{row['spread_pct'] / 2:.0f}% (batch {args.batch_size}, "
+            f"{int(row['threads'])} threads){mem_text}{compile_text}"
         )
+        if row.get("unreliable"):
+            why = "the machine was busy" if row.get("busy") else "its runs spread widely"
+            print(
+                f"leanformer: warning: {name}'s img/s is unreliable ({why}); re-measure on a quiet machine",
+                file=sys.stderr,
+            )

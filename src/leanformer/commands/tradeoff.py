@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.apps.tradeoff import markdown_table, run_sweep, summarise_seeds
+    from leanformer.apps.tradeoff import markdown_table, run_sweep, speed_note, summarise_seeds
 
     path = Path(args.config) if args.config else find_preset(args.preset)
     cfg = load_sweep_config(path, overrides_from_args(args))
@@ -72,4 +73,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     if not args.json:
         print(markdown_table(summarise_seeds(result.rows), title=cfg.name))
         print(f"\nwrote {out / 'results.jsonl'}, {out / 'table.md'}, {out / 'tradeoff.png'}")
+        note = speed_note(summarise_seeds(result.rows))
+        if note:
+            print(f"leanformer: warning: {note}", file=sys.stderr)
     return result.rows

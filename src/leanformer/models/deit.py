@@ -142,7 +142,9 @@ class DeiT(VisionTransformer):
         """``x [B, C, H, W]`` -> logits ``[B, num_classes]``; an empty batch gives an empty
         output (timm's position embedding cannot reshape zero images)."""
         if x.shape[0] == 0:
-            prefix = x.new_zeros(0, self.num_prefix_tokens, self.embed_dim, dtype=self.cls_token.dtype)
+            prefix = x.new_zeros(
+                0, self.num_prefix_tokens, self.embed_dim, dtype=next(self.parameters()).dtype
+            )
             return self.forward_head(prefix)
         return super().forward(x, *args, **kwargs)
 
