@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     else:
         raise ValueError("give --model NAME or --checkpoint PATH")
     model = model.to(args.device).eval()
+    check_batch_budget(model, args)
     inputs = example_inputs(
         model, args.batch_size, img_size=args.img_size, feature_size=args.feature_size, device=args.device
     )
@@ -181,6 +182,34 @@ def _run_host(args: argparse.Namespace) -> list[dict]:
     )
     _print(args, name, row)
     return [row]
+
+
+# A batch up to this size is never estimated (the estimate runs one example's forward pass).
+_ESTIMATE_ABOVE_BATCH = 256
+
+
+def check_batch_budget(model: Any, args: argparse.Namespace) -> None:
+    """Refuse a batch whose inputs and activations would not fit in memory: one example's
+    inputs and the memory its forward pass adds (measured on one example), times the batch."""
+    if args.batch_size <= _ESTIMATE_ABOVE_BATCH:
+        return
+    from leanformer.bench.memory import peak_memory_mb
+    from leanformer.bench.report import example_inputs
+    from leanformer.memory_budget import check_fits
+
+    one = example_inputs(model, 1, img_size=args.img_size, feature_size=args.feature_size, device=args.device)
+    input_bytes = sum(x.numel() * x.element_size() for x in one if isinstance(x, torch.Tensor))
+
+    def forward() -> None:
+        with torch.inference_mode():
+            model(*one)
+
+    activation_mb = peak_memory_mb(forward, device=args.device) or 0.0
+    per_example = input_bytes + activation_mb * 1e6
+    check_fits(
+        per_example * args.batch_size,
+        f"--batch-size {args.batch_size} ({per_example / 1e6:.2f} MB per example)",
+    )
 
 
 def _print(args: argparse.Namespace, name: str, row: dict[str, Any]) -> None:

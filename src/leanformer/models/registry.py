@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 import leanformer.models as pkg
+from leanformer.memory_budget import check_model_budget
 from leanformer.models.pretrained import load_pretrained, model_card
 
 
@@ -163,7 +164,9 @@ def create_model(name: str, *, pretrained: bool = False, **overrides: Any) -> nn
     _check_options(name, entry.cls, overrides)
     if pretrained:
         model_card(name)  # fail before building when nothing is shipped
-    model = entry.cls(**{**entry.defaults, **overrides})
+    options = {**entry.defaults, **overrides}
+    check_model_budget(name, entry.cls, options)  # before a size the machine cannot hold is built
+    model = entry.cls(**options)
     model.leanformer_name = name  # type: ignore[assignment]
     if pretrained:
         load_pretrained(model, name)
