@@ -102,3 +102,23 @@ def test_without_a_terminal_outer_loops_print_one_line_per_step(monkeypatch: pyt
         "sweep demo: 2/3 point 1",
         "sweep demo: 3/3 point 2",
     ]
+
+
+def test_demo_tables_mark_their_img_per_s_too(capsys: pytest.CaptureFixture[str]) -> None:
+    from leanformer.apps.table import markdown_table as demo_table
+    from leanformer.apps.table import print_speed_note, trained_model_columns
+
+    base = {"top1": 90.0, "params_m": 0.1, "gflops": 0.01, "threads": 2}
+    rows = [
+        {"model": "deit_digits", "img_per_s": 900.0, "unreliable": False, **base},
+        {"model": "sret_digits", "img_per_s": 27.0, "unreliable": True, "busy": True, **base},
+    ]
+    table = demo_table(rows, trained_model_columns())
+    assert "| 900 |" in table and "| 27* |" in table
+    print_speed_note(rows)
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith("leanformer: warning: throughput figures marked *") and "re-measure sret_digits" in err
+    )
+    print_speed_note(rows[:1])
+    assert capsys.readouterr().err == ""
