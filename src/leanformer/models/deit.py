@@ -138,15 +138,16 @@ class DeiT(VisionTransformer):
         classifier(self.embed_dim, num_classes)  # raises before the model changes
         super().reset_classifier(num_classes, global_pool)
 
-    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
-        """``x [B, C, H, W]`` -> logits ``[B, num_classes]``; an empty batch gives an empty
-        output (timm's position embedding cannot reshape zero images)."""
+    def forward_features(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """timm's, except that an empty batch ``[0, C, H, W]`` gives empty features
+        ``[0, num_prefix_tokens, D]`` (timm's position embedding cannot reshape zero images),
+        so ``forward`` returns empty logits ``[0, num_classes]``."""
         if x.shape[0] == 0:
             prefix = x.new_zeros(
                 0, self.num_prefix_tokens, self.embed_dim, dtype=next(self.parameters()).dtype
             )
-            return self.forward_head(prefix)
-        return super().forward(x, *args, **kwargs)
+            return prefix
+        return super().forward_features(x, *args, **kwargs)
 
 
 class DistilledDeiT(DeiT, VisionTransformerDistilled):
