@@ -146,12 +146,85 @@ def test_damaged_tensor_bytes_are_refused(
     assert load_checkpoint(path).meta["epoch"] == 1
     _flip_tensor_byte(path)
     for read in (load_checkpoint, load_model):
-        with pytest.raises(ValueError, match="is damaged: its tensor bytes have SHA-256"):
+        with pytest.raises(ValueError, match="is damaged: its bytes have SHA-256"):
             read(path)
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "is damaged" in err and len(err.splitlines()) == 1
+
+
+def test_a_flipped_bit_in_the_metadata_is_refused(
+    tmp_path: Path, trained_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The digest covers the whole file: limit_test 16 -> 96 in the stored config evaluated
+    another test set, exit 0, when only the tensor bytes were hashed."""
+    import shutil
+
+    from leanformer.cli import main
+
+    path = tmp_path / "last.safetensors"
+    shutil.copy(trained_run / "last.safetensors", path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b'\\"limit_test\\": 16')  # JSON inside the JSON header: quotes escaped
+    digit = at + len(b'\\"limit_test\\": ')
+    data[digit] ^= 0x08  # "1" -> "9": still valid JSON, another value
+    path.write_bytes(bytes(data))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for read in (load_checkpoint, load_model, read_checkpoint_meta):
+        with pytest.raises(ValueError, match="is damaged: its bytes have SHA-256"):
+            read(path)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is damaged" in err and str(path) in err and len(err.splitlines()) == 1
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_any_flipped_bit_is_refused(tmp_path: Path) -> None:
+    """Every byte of a new checkpoint counts: one flipped bit at positions spread over the
+    whole file (length prefix, header, padding, digest, tensors) is never loaded."""
+    path = tmp_path / "last.safetensors"
+    _save(path, leanformer.create_model("deit_test"), 1)
+    clean = path.read_bytes()
+    header_end = 8 + int.from_bytes(clean[:8], "little")
+    positions = sorted({*range(0, header_end, max(1, header_end // 60)), header_end - 1, len(clean) - 1})
+    positions += list(range(header_end, len(clean), max(1, (len(clean) - header_end) // 20)))
+    for position in positions:
+        for bit in (0x01, 0x80):
+            damaged = bytearray(clean)
+            damaged[position] ^= bit
+            path.write_bytes(bytes(damaged))
+            with pytest.raises(ValueError):
+                load_checkpoint(path)
+
+
+def test_checkpoints_with_a_tensor_digest_only_load_with_a_warning(trained_run: Path, tmp_path: Path) -> None:
+    """Files of the previous format hashed their tensor bytes: still checked, and loaded with
+    a warning that the metadata is not."""
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    from leanformer.errors import UnverifiedCheckpointWarning
+
+    with safe_open(str(trained_run / "last.safetensors"), framework="pt") as handle:
+        header = handle.metadata()[ckpt_module.META_KEY]
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
+    header = header.replace("leanformer-checkpoint-2", "leanformer-checkpoint-1")
+    blob = save(tensors, metadata={ckpt_module.META_KEY: header, ckpt_module.DIGEST_KEY: "0" * 64})
+    start = 8 + int.from_bytes(blob[:8], "little")
+    digest = hashlib.sha256(blob[start:]).hexdigest()
+    old = tmp_path / "old.safetensors"
+    old.write_bytes(blob.replace(b"0" * 64, digest.encode(), 1))
+    assert read_checkpoint_meta(old)["epoch"] == 1
+    with pytest.warns(UnverifiedCheckpointWarning, match="its metadata is not verified"):
+        load_model(old)
+    _flip_tensor_byte(old)
+    with pytest.raises(ValueError, match="its tensor bytes have SHA-256"):
+        load_model(old)
 
 
 def test_checkpoints_without_a_digest_load_with_a_warning(
@@ -172,6 +245,7 @@ def test_checkpoints_without_a_digest_load_with_a_warning(
         header = handle.metadata()[ckpt_module.META_KEY]
         tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
     old.parent.mkdir()
+    header = header.replace("leanformer-checkpoint-2", "leanformer-checkpoint-1")  # as they were
     save_file(tensors, str(old), metadata={ckpt_module.META_KEY: header})
     assert json.loads(header)["epoch"] == 1
     with pytest.warns(UnverifiedCheckpointWarning, match="carries no SHA-256"):

@@ -90,10 +90,13 @@ def test_bad_inputs_raise_as_the_plan_does() -> None:
         kmedoids_pooled(x, 0, weights=w)
     with pytest.raises(ValueError):
         kmedoids_pooled(x, 5, weights=w[:, :10])
+    # A NaN stays in its example: the other's plan and means are its own, the bad one's NaN.
     nan = x.clone()
     nan[0, 3, 0] = float("nan")
-    with pytest.raises(ValueError, match="finite"):
-        kmedoids_pooled(nan, 5, weights=w)
+    plan, pooled = kmedoids_pooled(nan, 5, weights=w)
+    clean_plan, clean = kmedoids_pooled(x, 5, weights=w)
+    assert torch.equal(plan.assign[1], clean_plan.assign[1]) and torch.equal(pooled[1], clean[1])
+    assert torch.isnan(pooled[0]).all()
 
 
 @pytest.mark.parametrize("weighted", [True, False])

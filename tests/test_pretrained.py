@@ -52,6 +52,25 @@ def test_hash_mismatch_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
         leanformer.create_model("deit_test", pretrained=True)
 
 
+@pytest.mark.parametrize(
+    ("card", "message"),
+    [
+        ('{"sha256": "ab', "is not valid JSON"),
+        ("[1, 2]", "is not a JSON object"),
+        ('{"data": {"name": "digits"}}', "has no valid sha256"),
+        ('{"sha256": "xyz", "data": {"name": "digits"}}', "has no valid sha256"),
+        ('{"sha256": "' + "a" * 64 + '", "data": "digits"}', r"does not name its data set \(data.name\)"),
+    ],
+)
+def test_a_damaged_card_is_one_clear_error(tmp_path: Path, monkeypatch, card: str, message: str) -> None:
+    """A card cut or edited by hand gave a raw JSONDecodeError or KeyError."""
+    ship(tmp_path, "deit_test", leanformer.create_model("deit_test"))
+    (tmp_path / "deit_test.json").write_text(card)
+    monkeypatch.setattr(pretrained, "WEIGHTS_DIR", tmp_path)
+    with pytest.raises(ValueError, match=f"weights card deit_test.json {message}"):
+        leanformer.create_model("deit_test", pretrained=True)
+
+
 def test_models_without_weights_refuse_pretrained(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(pretrained, "WEIGHTS_DIR", tmp_path)
     with pytest.raises(ValueError, match="'deit_small' has no shipped weights"):

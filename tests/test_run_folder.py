@@ -245,17 +245,45 @@ def test_an_interrupted_commit_leaves_a_consistent_folder(
 def test_stale_temporaries_are_removed(tmp_path: Path) -> None:
     run = tmp_path / "run"
     fit(load_config(None, FAST), out_dir=run, progress=False, stop_after_epochs=1)
-    stale = [run / ".last.safetensors.0a1b2c3d.tmp", run / ".metrics.jsonl.ffff0000.tmp"]
+    stale = [checkpoint_module.temporary_name(run / name) for name in ("last.safetensors", "metrics.jsonl")]
     for path in stale:
         path.write_bytes(b"x" * 100)
+    # Named like a temporary by hand, without the check only the engine computes: kept.
+    (run / ".metrics.jsonl.deadbeef.tmp").write_text("the user's")
+    (run / ".last.safetensors.0a1b2c3d00000000.tmp").write_text("the user's")
     (run / "tmpab12cd").mkdir()  # where checkpoints used to be staged
     (run / "tmpab12cd" / "ckpt.safetensors").write_bytes(b"x")
     (run / "notes.tmp").write_text("the user's")  # not ours: kept
     (run / "tmp_user").mkdir()
     (run / "tmp_user" / "data.txt").write_text("the user's")
     fit(load_config(None, FAST), out_dir=run, progress=False, resume=True)
-    assert sorted(p.name for p in run.iterdir() if p.name not in RUN_FILES) == ["notes.tmp", "tmp_user"]
+    kept = [".last.safetensors.0a1b2c3d00000000.tmp", ".metrics.jsonl.deadbeef.tmp", "notes.tmp", "tmp_user"]
+    assert sorted(p.name for p in run.iterdir() if p.name not in RUN_FILES) == kept
     assert remove_stale_temporaries(run) == []
+
+
+def test_a_new_run_keeps_the_files_already_in_its_folder(tmp_path: Path) -> None:
+    """`train --out DIR` on a folder that is not a run yet deleted a file of the user's
+    named like an engine temporary."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / ".metrics.jsonl.deadbeef.tmp").write_text("the user's")
+    (folder / "notes.txt").write_text("the user's")
+    argv = ["train", "--model", "deit_test", "--img-size", "16", "--epochs", "1", "--batch-size", "16"]
+    argv += ["--data.limit_train", "16", "--data.limit_test", "16", "--quiet", "--out", str(folder)]
+    assert main(argv) == 0
+    assert (folder / ".metrics.jsonl.deadbeef.tmp").read_text() == "the user's"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [".metrics.jsonl.deadbeef.tmp", "notes.txt", *RUN_FILES]
+    )
+
+
+def test_only_the_engine_names_its_temporaries(tmp_path: Path) -> None:
+    made = checkpoint_module.temporary_name(tmp_path / "metrics.jsonl")
+    assert checkpoint_module.is_temporary_of(made, "metrics.jsonl")
+    assert not checkpoint_module.is_temporary_of(made, "config.yaml")
+    for name in (".metrics.jsonl.deadbeef.tmp", ".metrics.jsonl.deadbeefdeadbeef.tmp", "metrics.jsonl.tmp"):
+        assert not checkpoint_module.is_temporary_of(tmp_path / name, "metrics.jsonl")
 
 
 @pytest.mark.slow
@@ -363,6 +391,7 @@ def test_an_unreachable_gflops_target_leaves_the_sweep_folder_as_it_was(
     )
     out = tmp_path / "sw"
     assert main(["tradeoff", "--config", str(sweep), "--out", str(out)]) == 0
+    capsys.readouterr()  # its progress lines (stderr is not a terminal here)
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     for budgets in (["--budget", "g0.01"], ["--budget", "0.7", "--budget", "g0.01"]):
         err = _one_line_error(

@@ -52,7 +52,7 @@ def test_resume_matches_uninterrupted(tmp_path: Path) -> None:
 def test_resume_refuses_other_model(tmp_path: Path) -> None:
     fit(load_config(None, {**QUICK, "optim.epochs": "1"}), out_dir=tmp_path, progress=False)
     other = load_config(None, {**QUICK, "model_options.depth": "2"})
-    with pytest.raises(ValueError, match="checkpoint in"):
+    with pytest.raises(ValueError, match=r"would change model_options.depth \(absent\) -> 2"):
         fit(other, out_dir=tmp_path, progress=False, resume=True)
 
 
@@ -61,7 +61,7 @@ def test_resume_refuses_another_seed(tmp_path: Path) -> None:
     cfg = load_config(None, {**QUICK, "optim.epochs": "2", "seed": "3"})
     fit(cfg, out_dir=tmp_path, progress=False, stop_after_epochs=1)
     other = load_config(None, {**QUICK, "optim.epochs": "2", "seed": "4"})
-    with pytest.raises(ValueError, match="the run was seeded with 3, not 4"):
+    with pytest.raises(ValueError, match="would change seed 3 -> 4"):
         fit(other, out_dir=tmp_path, progress=False, resume=True)
 
 

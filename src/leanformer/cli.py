@@ -6,6 +6,7 @@ Bad input exits with code 2 and one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -181,13 +182,35 @@ def _run_command(argv: list[str] | None) -> int:
     except (FileExistsError, NotADirectoryError) as exc:
         # Usually mkdir meeting a file where a folder (--out, or one of its parents) must be.
         blocker = _file_in_the_way(exc.filename)
-        where = (
-            f"{blocker} is a file, but a folder is needed there (check --out and other paths)"
-            if blocker
-            else _first_line(exc)
-        )
+        link = _broken_link_on(exc.filename)
+        if link:
+            where = (
+                f"{link} is a symbolic link that leads to no folder (a loop or a missing target); "
+                "give another path"
+            )
+        elif blocker:
+            where = f"{blocker} is a file, but a folder is needed there (check --out and other paths)"
+        else:
+            where = _first_line(exc)
         print(f"leanformer: error: {where}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            link = _broken_link_on(exc.filename) or exc.filename
+            print(
+                f"leanformer: error: {link} is a symbolic link that loops; give another path", file=sys.stderr
+            )
+            return 2
+        if exc.errno != errno.ENOSPC or os.environ.get("LEANFORMER_TRACEBACK"):
+            return _unexpected(exc)
+        # Writes go to a temporary file renamed into place: the file named keeps its last
+        # complete version (a run folder its last good checkpoint, for --resume).
+        print(
+            f"leanformer: error: no space left on the device writing {exc.filename}; it keeps its last "
+            "complete version (a run keeps its last good checkpoint: free space, then --resume)",
+            file=sys.stderr,
+        )
+        return 1
     except (ValueError, FileNotFoundError) as exc:
         print(f"leanformer: error: {_first_line(exc)}", file=sys.stderr)
         return 2
@@ -195,16 +218,7 @@ def _run_command(argv: list[str] | None) -> int:
         if isinstance(exc, NonFiniteLossError):
             print(f"leanformer: {exc}", file=sys.stderr)
             return 1
-        if os.environ.get("LEANFORMER_TRACEBACK"):
-            raise
-        # Anything else (torch, PIL, the file system) is reported in one line, with the
-        # exception type, rather than as a traceback; LEANFORMER_TRACEBACK=1 shows it.
-        print(
-            f"leanformer: error: {type(exc).__name__}: {_first_line(exc)} "
-            "(set LEANFORMER_TRACEBACK=1 for the traceback)",
-            file=sys.stderr,
-        )
-        return 1
+        return _unexpected(exc)
     if args.json:
         try:
             for row in results or []:
@@ -212,6 +226,31 @@ def _run_command(argv: list[str] | None) -> int:
         except BrokenPipeError:
             return _reader_gone()
     return 0
+
+
+def _unexpected(exc: BaseException) -> int:
+    """Anything else (torch, PIL, the file system) in one line, with the exception type,
+    rather than as a traceback; LEANFORMER_TRACEBACK=1 shows it."""
+    if os.environ.get("LEANFORMER_TRACEBACK"):
+        raise exc
+    print(
+        f"leanformer: error: {type(exc).__name__}: {_first_line(exc)} "
+        "(set LEANFORMER_TRACEBACK=1 for the traceback)",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _broken_link_on(filename: object) -> str | None:
+    """The first symbolic link on the way to ``filename`` (itself included) that leads
+    nowhere: a loop, or a target that does not exist."""
+    if not isinstance(filename, str | os.PathLike):
+        return None
+    path = Path(filename)
+    for candidate in (*reversed(path.parents), path):
+        if candidate.is_symlink() and not candidate.exists():
+            return str(candidate)
+    return None
 
 
 def _reader_gone() -> int:

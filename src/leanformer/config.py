@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from leanformer.layers.budgets import KEEP_HELP, KeepSchedule, parse_keep
+from leanformer.strict_yaml import DuplicateKeyError, safe_load_strict
 from leanformer.typed_values import coerce_value, parse_scalar
 
 _FLAG = "leanformer_flag"  # dataclass field metadata keys
@@ -335,7 +336,9 @@ def read_yaml_mapping(path: str | Path, what: str = "config file") -> dict[str, 
     if not path.is_file():
         raise ValueError(f"{what} {path} does not exist")
     try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        loaded = safe_load_strict(path.read_text(encoding="utf-8")) or {}
+    except DuplicateKeyError as exc:
+        raise ValueError(f"{what} {path}: {exc}") from None
     except UnicodeDecodeError:
         raise ValueError(f"{what} {path} is not a text file (not UTF-8); give a YAML file") from None
     except yaml.YAMLError as exc:

@@ -13,6 +13,8 @@ from typing import Any
 
 import yaml
 
+from leanformer.strict_yaml import safe_load_strict
+
 _NULL_WORDS = ("", "none", "null", "~")
 
 
@@ -21,7 +23,7 @@ def parse_scalar(text: str) -> Any:
     if text.strip().lower() in _NULL_WORDS:
         return None
     try:
-        value = yaml.safe_load(text)
+        value = safe_load_strict(text)
     except yaml.YAMLError:
         return text
     if isinstance(value, str):

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from leanformer.apps.plots import save_figure
 from leanformer.engine.checkpoint import load_model
 from leanformer.layers.enact_attention import EntropyClusteredAttention
+from leanformer.memory_budget import check_image_pixels
 from leanformer.ops.entropy_map import curvature_signs
 from leanformer.ops.regions import plan_from_signs
 
@@ -40,7 +41,8 @@ def load_image(path: str | None, sample: str, *, seed: int = 0) -> tuple[Tensor,
         if not file.is_file():
             raise ValueError(f"--input {path!r} is not a file")
         try:
-            with Image.open(file) as img:
+            with Image.open(file) as img:  # reads the header only: the size, before decoding
+                check_image_pixels(*img.size, f"--input {path!r}")
                 rgb = img.convert("RGB")
         except UnidentifiedImageError:
             raise ValueError(f"--input {path!r} is not an image file PIL can read") from None

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from leanformer.bench.reliability import marked, remeasure_note
+
 Row = Mapping[str, Any]
 
 
@@ -46,5 +48,14 @@ def trained_model_columns() -> list[Column]:
         column("top1", "top-1 %", "{:.2f}".format, right=True),
         column("params_m", "params (M)", "{:.3f}".format, right=True),
         column("gflops", "GFLOPs", "{:.4f}".format, right=True),
-        column("img_per_s", "img/s", "{:.0f}".format, right=True),
+        Column("img/s", lambda r: marked(f"{r['img_per_s']:.0f}", r) if "img_per_s" in r else "", right=True),
     ]
+
+
+def print_speed_note(rows: Sequence[Row]) -> None:
+    """After a demo table: one line on stderr naming the models whose img/s is unreliable."""
+    import sys
+
+    note = remeasure_note(rows, lambda r: str(r.get("model")))
+    if note:
+        print(f"leanformer: warning: {note}", file=sys.stderr)

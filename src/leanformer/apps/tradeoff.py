@@ -45,6 +45,7 @@ from leanformer.apps.table import Column
 from leanformer.apps.table import markdown_table as render_table
 from leanformer.bench.compiled import compile_for_inference
 from leanformer.bench.flops import count_gflops
+from leanformer.bench.reliability import marked, remeasure_note
 from leanformer.bench.throughput import measure_throughput
 from leanformer.config import RunConfig, from_dict
 from leanformer.data.loaders import eval_loader, train_loader
@@ -189,9 +190,9 @@ def tokens_out(model: nn.Module, x: Tensor) -> int:
         return int(model.forward_features(x[:1]).shape[1])
 
 
-def measure_point(model: nn.Module, *, loader: Any, batch: Tensor, cfg: SweepConfig) -> dict[str, float]:
+def measure_point(model: nn.Module, *, loader: Any, batch: Tensor, cfg: SweepConfig) -> dict[str, Any]:
     model.eval()
-    row: dict[str, float] = {}
+    row: dict[str, Any] = {}
     # FLOPs and token counts from the eager model; accuracy and speed from what runs.
     row["gflops"] = count_gflops(model, (batch[:4],))
     row["tokens_out"] = tokens_out(model, batch)
@@ -204,8 +205,20 @@ def measure_point(model: nn.Module, *, loader: Any, batch: Tensor, cfg: SweepCon
     metrics = evaluate(runner, loader, device=cfg.device)
     row["top1"], row["loss"], row["n"] = metrics["top1"], metrics["loss"], metrics["n"]
     if cfg.throughput:
-        speed = measure_throughput(runner, (batch,), warmup=cfg.throughput_warmup, runs=cfg.throughput_runs)
-        row["img_per_s"], row["ms_per_batch"] = speed["img_per_s"], speed["ms_per_batch"]
+        # Timed right after its evaluation: the load before includes this process's own.
+        speed = measure_throughput(
+            runner, (batch,), warmup=cfg.throughput_warmup, runs=cfg.throughput_runs, computing_before=True
+        )
+        for key in (
+            "img_per_s",
+            "ms_per_batch",
+            "spread_pct",
+            "load_before",
+            "load_after",
+            "busy",
+            "unreliable",
+        ):
+            row[key] = speed[key]
     return row
 
 
@@ -545,12 +558,29 @@ def summarise_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     row[key] = sum(m[key] for m in members) / len(members)
             tops = torch.tensor([m["top1"] for m in members], dtype=torch.float64)
             row.update(top1_std=float(tops.std()), seeds=len(members), seed=None)
+            for flag in ("busy", "unreliable"):  # one doubtful timing makes the mean doubtful
+                if flag in row:
+                    row[flag] = any(m.get(flag) for m in members)
         summary.append(row)
     return summary
 
 
 def _fmt(value: Any, spec: str) -> str:
     return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def _speed(r: Mapping[str, Any]) -> str:
+    """``1705 ±3%`` (half the runs' range over their median), marked when unreliable
+    (see :mod:`leanformer.bench.reliability`)."""
+    if r.get("img_per_s") is None:
+        return "–"
+    spread = f" ±{r['spread_pct'] / 2:.0f}%" if r.get("spread_pct") is not None else ""
+    return marked(f"{r['img_per_s']:.0f}{spread}", r)
+
+
+def speed_note(rows: list[dict[str, Any]]) -> str | None:
+    """The line that ends a sweep whose throughput figures are not to be trusted, or None."""
+    return remeasure_note(rows, lambda r: f"{r['method']} {r['keep']}")
 
 
 def _top1(r: Mapping[str, Any]) -> str:
@@ -565,7 +595,7 @@ TRADEOFF_COLUMNS = (
     Column("Δ top-1", lambda r: _fmt(r.get("d_top1"), "+.2f")),
     Column("GFLOPs", lambda r: _fmt(r["gflops"], ".4f" if r["gflops"] < 0.1 else ".3f")),
     Column("FLOPs ratio", lambda r: _fmt(r.get("flops_ratio"), ".2f")),
-    Column("img/s", lambda r: _fmt(r.get("img_per_s"), ".0f")),
+    Column("img/s", lambda r: _speed(r)),
     Column("speedup", lambda r: _fmt(r.get("speedup"), ".2f")),
     Column("tokens out", lambda r: str(r.get("tokens_out", "–"))),
 )

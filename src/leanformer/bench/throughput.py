@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from leanformer.bench.flops import batch_input
+from leanformer.bench.reliability import assess, read_load_average
 from leanformer.progress import progress_bar
 
 
@@ -27,10 +29,15 @@ def measure_throughput(
     warmup: int = 3,
     runs: int = 10,
     progress: bool = False,
-) -> dict[str, float | int]:
-    """Time ``model(*inputs)`` in eval mode; returns ``img_per_s``, ``ms_per_batch`` (median), ``threads``.
+    load: Callable[[], float | None] = read_load_average,
+    computing_before: bool = False,
+) -> dict[str, Any]:
+    """Time ``model(*inputs)`` in eval mode; returns ``img_per_s``, ``ms_per_batch`` (median),
+    ``threads``, and how far to trust them (:func:`leanformer.bench.reliability.assess`:
+    ``spread_pct``, ``load_before``/``load_after`` read by ``load``, ``busy``, ``unreliable``).
 
-    ``progress``: a bar over the runs (it advances between them, outside the timed calls)."""
+    ``progress``: a bar over the runs (it advances between them, outside the timed calls).
+    ``computing_before``: the process was busy just before (its own load is not others')."""
     if warmup < 0 or runs < 1:
         raise ValueError(f"need warmup >= 0 and runs >= 1, got warmup={warmup}, runs={runs}")
     kwargs = forward_kwargs or {}
@@ -38,6 +45,7 @@ def measure_throughput(
     was_training = model.training
     model.eval()
     device = first.device
+    load_before = load()
     try:
         for _ in range(warmup):
             model(*inputs, **kwargs)
@@ -51,9 +59,17 @@ def measure_throughput(
     finally:
         model.train(was_training)
     median = statistics.median(times)
+    threads = torch.get_num_threads()
     return {
         "img_per_s": first.shape[0] / median,
         "ms_per_batch": median * 1e3,
         "ms_per_batch_min": min(times) * 1e3,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
+        **assess(
+            times,
+            cores_in_use=threads,
+            load_before=load_before,
+            load_after=load(),
+            computing_before=computing_before,
+        ),
     }

@@ -70,7 +70,18 @@ def _hf_model(name: str, options: dict[str, Any]) -> nn.Module:
         raise ValueError(f"{config_cls.__name__} has no field {', '.join(map(repr, unknown))}")
     for key, value in options.items():
         setattr(config, key, value)
-    return cls(config)
+    return _construct(f"{name} (transformers)", lambda: cls(config), options)
+
+
+def _construct(name: str, build: Any, options: dict[str, Any]) -> nn.Module:
+    """``build()``; a library's error on the options given (``hidden_size=-1`` reaching
+    ``torch.empty``) becomes a ValueError naming the model and options: bad input, exit 2."""
+    try:
+        return build()
+    except (RuntimeError, ValueError, TypeError, AssertionError, ZeroDivisionError) as err:
+        given = ", ".join(f"{k}={v!r}" for k, v in options.items()) or "none"
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{name} cannot be built with the options {given}: {detail}") from None
 
 
 def _timm_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -105,7 +116,8 @@ def build_host_model(
                 options.setdefault(key, value)
             if data.img_size is not None:
                 options.setdefault("img_size", data.img_size)
-        model = create_timm_model(name[5:], **_timm_options(options))
+        timm_options = _timm_options(options)
+        model = _construct(f"{name[5:]} (timm)", lambda: create_timm_model(name[5:], **timm_options), options)
         patch_embed: Any = model.patch_embed
         size = int(patch_embed.img_size[0]) if patch_embed.img_size else 224
     else:

@@ -17,6 +17,7 @@ from typing import Any
 from leanformer.config import RunConfig, declared_flags, parse_scalar, to_dict
 from leanformer.layers.budgets import KeepSchedule, parse_keep
 from leanformer.models.query_budget import check_query_count, has_query_budget
+from leanformer.ops.query_selection import check_dqs_threshold
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -49,6 +50,23 @@ def float_list(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(
             f"expected a comma-separated list of numbers, got {text!r}"
         ) from None
+
+
+def dqs_threshold(text: str) -> float:
+    """``--dqs-threshold``: a number in [-1, 1] (a cosine similarity)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    try:
+        return check_dqs_threshold(value, "a DQS threshold")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def dqs_thresholds(text: str) -> list[float]:
+    """``--thresholds``: a comma-separated list of numbers in [-1, 1]."""
+    return [dqs_threshold(str(value)) for value in float_list(text)]
 
 
 def argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -168,7 +186,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_config_flags(group, "model_options")
     group.add_argument("--num-queries", type=int, help="Perceiver: use the first K latent queries")
-    group.add_argument("--dqs-threshold", type=float, help="Perceiver: Dynamic Query Selection threshold t")
+    group.add_argument(
+        "--dqs-threshold",
+        type=dqs_threshold,
+        help="Perceiver: Dynamic Query Selection threshold t in [-1, 1]",
+    )
     group.add_argument(
         "--dqs-rule",
         choices=("any", "kept"),

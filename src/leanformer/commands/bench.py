@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import torch
@@ -27,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument(
         "--checkpoint", help="bench a trained checkpoint (file or run folder) instead of --model"
+    )
+    parser.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="load a checkpoint whose weights hold NaN or inf (refused otherwise)",
     )
     add_host_arguments(parser)
     # One input size or the other: an encoder's feature map comes from --feature-size when
@@ -71,6 +77,8 @@ def _int_or_none(size: Any) -> int | None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    if args.allow_nonfinite and not args.checkpoint:
+        raise ValueError("--allow-nonfinite is for the weights of a --checkpoint; give --checkpoint")
     if _hf_detr.is_requested(args):
         return _hf_detr.run(args)
     _hf_detr.refuse_detr_flags(args)
@@ -87,7 +95,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     if args.checkpoint:
         from leanformer.engine.checkpoint import load_model
 
-        model = load_model(args.checkpoint, **options)
+        model = load_model(args.checkpoint, allow_nonfinite=args.allow_nonfinite, **options)
         name = getattr(model, "leanformer_name", "checkpoint")
     elif args.model:
         name = args.model
@@ -98,6 +106,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     else:
         raise ValueError("give --model NAME or --checkpoint PATH")
     model = model.to(args.device).eval()
+    check_batch_budget(model, args)
     inputs = example_inputs(
         model, args.batch_size, img_size=args.img_size, feature_size=args.feature_size, device=args.device
     )
@@ -175,6 +184,34 @@ def _run_host(args: argparse.Namespace) -> list[dict]:
     return [row]
 
 
+# A batch up to this size is never estimated (the estimate runs one example's forward pass).
+_ESTIMATE_ABOVE_BATCH = 256
+
+
+def check_batch_budget(model: Any, args: argparse.Namespace) -> None:
+    """Refuse a batch whose inputs and activations would not fit in memory: one example's
+    inputs and the memory its forward pass adds (measured on one example), times the batch."""
+    if args.batch_size <= _ESTIMATE_ABOVE_BATCH:
+        return
+    from leanformer.bench.memory import peak_memory_mb
+    from leanformer.bench.report import example_inputs
+    from leanformer.memory_budget import check_fits
+
+    one = example_inputs(model, 1, img_size=args.img_size, feature_size=args.feature_size, device=args.device)
+    input_bytes = sum(x.numel() * x.element_size() for x in one if isinstance(x, torch.Tensor))
+
+    def forward() -> None:
+        with torch.inference_mode():
+            model(*one)
+
+    activation_mb = peak_memory_mb(forward, device=args.device) or 0.0
+    per_example = input_bytes + activation_mb * 1e6
+    check_fits(
+        per_example * args.batch_size,
+        f"--batch-size {args.batch_size} ({per_example / 1e6:.2f} MB per example)",
+    )
+
+
 def _print(args: argparse.Namespace, name: str, row: dict[str, Any]) -> None:
     if not args.json:
         mem = row.get("peak_mem_mb")
@@ -187,6 +224,12 @@ def _print(args: argparse.Namespace, name: str, row: dict[str, Any]) -> None:
         compile_text = f", compiled in {compiled:.1f} s (not in img/s)" if compiled is not None else ""
         print(
             f"{name}: {row['params_m']:.2f}M params, {row['gflops']:.4g} GFLOPs/sample, "
-            f"{row['img_per_s']:.1f} img/s (batch {args.batch_size}, {int(row['threads'])} threads)"
-            f"{mem_text}{compile_text}"
+            f"{row['img_per_s']:.1f} img/s ±{row['spread_pct'] / 2:.0f}% (batch {args.batch_size}, "
+            f"{int(row['threads'])} threads){mem_text}{compile_text}"
         )
+        if row.get("unreliable"):
+            why = "the machine was busy" if row.get("busy") else "its runs spread widely"
+            print(
+                f"leanformer: warning: {name}'s img/s is unreliable ({why}); re-measure on a quiet machine",
+                file=sys.stderr,
+            )

@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.apps.table import markdown_table, trained_model_columns
+    from leanformer.apps.table import markdown_table, print_speed_note, trained_model_columns
     from leanformer.bench.report import trained_model_row
     from leanformer.config import load_config
     from leanformer.engine.train import fit
@@ -57,4 +57,5 @@ def run(args: argparse.Namespace) -> list[dict]:
             f"(digits test split, {args.epochs} epochs; img/s at batch 64 on {int(row['threads'])} threads; "
             f"checkpoint {row['checkpoint']})"
         )
+        print_speed_note([row])
     return [row]

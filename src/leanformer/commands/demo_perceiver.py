@@ -19,7 +19,13 @@ from typing import Any, cast
 
 from leanformer.commands._demo_out import claim_demo_folder
 from leanformer.commands._fashion_demo import DemoData, training_flags
-from leanformer.commands._options import add_config_flags, config_flags_given, float_list, int_list
+from leanformer.commands._options import (
+    add_config_flags,
+    config_flags_given,
+    dqs_thresholds,
+    float_list,
+    int_list,
+)
 
 COMMAND = ("demo", "perceiver")
 OUT = "runs/demo_perceiver"  # the default --out, a demo's own folder
@@ -50,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--thresholds",
-        type=float_list,
+        type=dqs_thresholds,
         default=float_list(DEFAULT_THRESHOLDS),
         help=f"DQS thresholds (default {DEFAULT_THRESHOLDS})",
     )

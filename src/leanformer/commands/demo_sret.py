@@ -139,7 +139,7 @@ def run_digits(args: argparse.Namespace) -> list[dict]:
 
 
 def print_table(rows: list[dict], what: str) -> None:
-    from leanformer.apps.table import column, markdown_table, trained_model_columns
+    from leanformer.apps.table import column, markdown_table, print_speed_note, trained_model_columns
 
     columns = [
         *trained_model_columns(),
@@ -148,3 +148,4 @@ def print_table(rows: list[dict], what: str) -> None:
     print("\n" + markdown_table(rows, columns))
     threads = int(rows[0]["threads"]) if rows else 0
     print(f"({what}; img/s in eval mode at batch 64 on {threads} threads)")
+    print_speed_note(rows)

@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     import time
 
     from leanformer.apps.sweep_config import sweep_config_from_dict
-    from leanformer.apps.tradeoff import markdown_table, run_sweep, summarise_seeds
+    from leanformer.apps.tradeoff import markdown_table, run_sweep, speed_note, summarise_seeds
 
     start = time.perf_counter()
     data = choose_data(getattr(args, "data", "auto"))
@@ -165,6 +165,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         print(_ranking_line(rows))
         took = time.perf_counter() - start
         print(f"\nwrote {out / 'table.md'} and the plot {out / 'tradeoff.png'} in {took:.0f} s")
+        note = speed_note(rows)
+        if note:
+            print(f"leanformer: warning: {note}", file=sys.stderr)
         source = (
             "--model deit_fashion --pretrained"
             if data == "fashion_mnist"

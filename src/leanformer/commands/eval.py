@@ -30,6 +30,11 @@ ACCEPTS_OVERRIDES = True
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", help="a checkpoint written by `leanformer train`, or its run folder")
+    parser.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="load a checkpoint whose weights hold NaN or inf (refused otherwise)",
+    )
     parser.add_argument("--config", help="YAML config (for the data) when no checkpoint is given")
     parser.add_argument(
         "--split",
@@ -52,6 +57,8 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
     overrides = {**config_flags_given(args, "data", "compile"), **dotted_overrides(args.extra)}
     if args.ema and not args.checkpoint:
         raise ValueError("--ema evaluates the EMA weights a training run kept: give its --checkpoint")
+    if args.allow_nonfinite and not args.checkpoint:
+        raise ValueError("--allow-nonfinite is for the weights of a --checkpoint; give --checkpoint")
     if args.checkpoint:
         hint = " (change the model with --pool/--keep/--opt KEY=VALUE)"
         refuse_beside_checkpoint(
@@ -71,7 +78,9 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
         # (--model_options.pool_options.max_iters sets the top-level key pool_options.)
         dotted = [key.split(".")[1] for key in overrides if key.startswith("model_options.")]
         options = {**{key: cfg.model_options[key] for key in dotted}, **model_options(args)}
-        model = load_model(args.checkpoint, device=args.device, ema=args.ema, **options)
+        model = load_model(
+            args.checkpoint, device=args.device, ema=args.ema, allow_nonfinite=args.allow_nonfinite, **options
+        )
         _warn_untrained(model)
         return cfg, model
     from leanformer.engine.builders import build_model, build_split

@@ -29,6 +29,10 @@ def run(args: argparse.Namespace) -> list[dict]:
             raise ValueError(f"unknown family {args.family!r}; {hint}families: {', '.join(families)}")
     shipped = set(shipped_models())
     names = _filtered(args, shipped, args.pattern)
+    pattern = args.pattern
+    if not names and pattern is not None and not _is_glob(pattern) and pattern not in list_models():
+        # A plain name that names no model is a typo, not an empty listing.
+        raise ValueError(f"unknown model {pattern!r}{_near_names(pattern, _filtered(args, shipped, None))}")
     rows = []
     for name in names:
         entry = model_info(name)
@@ -57,10 +61,14 @@ def _filtered(args: argparse.Namespace, shipped: set[str], pattern: str | None) 
     return [n for n in names if n in shipped] if args.pretrained else names
 
 
+def _is_glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
 def _near_names(pattern: str | None, candidates: list[str]) -> str:
     """Why a plain name (no glob characters) matched nothing: it is outside the filters, or
     ``"; did you mean ...?"`` with the close names among ``candidates``."""
-    if pattern is None or any(c in pattern for c in "*?["):
+    if pattern is None or _is_glob(pattern):
         return ""
     if pattern in list_models():
         return f" ({pattern} is a model, but not one the --family/--pretrained filters keep)"

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from leanformer.commands._options import add_data_arguments, float_list, int_list
+from leanformer.commands._options import add_data_arguments, dqs_thresholds, float_list, int_list
 from leanformer.commands._perceiver import load_perceiver
 from leanformer.models.query_budget import query_budget
 
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--thresholds",
-        type=float_list,
+        type=dqs_thresholds,
         default=float_list("0.6,0.65,0.7,0.8,0.9,0.99"),
         help="DQS thresholds",
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def find_preset(name: str) -> Path:
+    if "/" in name or "\\" in name or Path(name).suffix:
+        raise ValueError(
+            f"--preset {name!r} looks like a file; --preset names a sweep in configs/ "
+            "(e.g. tradeoff_digits): give a file with --config"
+        )
     for folder in PRESET_DIRS:
         path = folder / f"{name}.yaml"
         if path.is_file():
@@ -54,7 +60,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from leanformer.apps.tradeoff import markdown_table, run_sweep, summarise_seeds
+    from leanformer.apps.tradeoff import markdown_table, run_sweep, speed_note, summarise_seeds
 
     path = Path(args.config) if args.config else find_preset(args.preset)
     cfg = load_sweep_config(path, overrides_from_args(args))
@@ -67,4 +73,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     if not args.json:
         print(markdown_table(summarise_seeds(result.rows), title=cfg.name))
         print(f"\nwrote {out / 'results.jsonl'}, {out / 'table.md'}, {out / 'tradeoff.png'}")
+        note = speed_note(summarise_seeds(result.rows))
+        if note:
+            print(f"leanformer: warning: {note}", file=sys.stderr)
     return result.rows

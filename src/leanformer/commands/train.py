@@ -47,15 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace, saved_config: Path | None = None) -> RunConfig:
     """Defaults, then ``--config`` (or the ``saved_config`` of a run being resumed), then flags.
 
-    A resumed run keeps its own seed: ``--seed`` is not applied over a saved config.
+    A resumed run keeps its own seed: a ``--seed`` typed over a saved config is refused by
+    the resume rule (:mod:`leanformer.engine.resume_rule`) when it differs.
     """
     # --opt first: a flag of its own (--pool) wins over the same key in --opt.
     overrides: dict[str, Any] = {f"model_options.{key}": value for key, value in args.opt}
     overrides.update(config_flags_given(args))
-    # A config file's seed and device stand unless the flags are typed; a resumed run
-    # keeps its seed regardless.
+    # A config file's seed and device stand unless the flags are typed. A seed typed with
+    # --resume is applied too, so that the resume rule refuses it rather than ignores it.
     from_file = saved_config is not None or args.config is not None
-    if saved_config is None and (not from_file or given(args, "--seed")):
+    if not from_file or given(args, "--seed"):
         overrides["seed"] = args.seed
     if not from_file or given(args, "--device"):
         overrides["device"] = args.device

@@ -1,15 +1,18 @@
 """Checkpoints: one safetensors file (weights, optimizer tensors, RNG state) whose header
 carries the JSON metadata (config, epoch, optimizer/scheduler scalars) and the SHA-256 of
-the file's tensor bytes, plus a JSON copy of that metadata beside it for people to read.
+the whole file, plus a JSON copy of that metadata beside it for people to read.
 
 Both are written to a temporary file in the same folder and renamed into place, so an
-interrupted write never corrupts the last good checkpoint. Readers check the SHA-256:
-a file damaged after it was written is refused instead of evaluated. Files written before
-checksums existed carry none; they load with an :class:`UnverifiedCheckpointWarning`.
+interrupted write never corrupts the last good checkpoint. Readers check the SHA-256 of
+every byte (header, metadata and tensors; the digest's own 64 characters count as zeros):
+a file damaged after it was written is refused instead of evaluated. Older files carry a
+digest of their tensor bytes only (checked, with an :class:`UnverifiedCheckpointWarning`
+that the metadata is not) or none at all (loaded with that warning).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -27,12 +30,17 @@ from torch import Tensor, nn
 
 from leanformer.errors import UnverifiedCheckpointWarning
 from leanformer.models.registry import create_model
-from leanformer.models.state_loading import load_state_lenient
+from leanformer.models.state_loading import check_finite_state, load_state_lenient
 
-FORMAT = "leanformer-checkpoint-1"
+# Version 2 records the whole file's SHA-256; version 1 files had a tensor-bytes digest or none.
+FORMAT = "leanformer-checkpoint-2"
+_OLD_FORMAT = "leanformer-checkpoint-1"
 META_KEY = "leanformer"
-# The SHA-256 (hex) of everything after the header: the tensor bytes.
+# The SHA-256 (hex) of the whole file, read with this digest's 64 characters as zeros.
+FILE_DIGEST_KEY = "leanformer_file_sha256"
+# Older files: the SHA-256 of everything after the header (the tensor bytes) only.
 DIGEST_KEY = "leanformer_sha256"
+_PLACEHOLDER = "0" * 64
 # The file a run folder's checkpoint has; `--checkpoint RUN_DIR` loads it.
 CHECKPOINT_NAME = "last.safetensors"
 _MODEL_PREFIX = "model."
@@ -43,15 +51,29 @@ _STATE_KEYS = ("optimizer", "scheduler", "extra")
 _HEADER_LENGTH_BYTES = 8  # safetensors: a little-endian u64, then the JSON header
 
 
+def _temporary_check(name: str, nonce: str) -> str:
+    # A check on the random part (and the file it stands for): a file a user named like a
+    # temporary (`.metrics.jsonl.deadbeef.tmp`) does not carry it, so cleanup leaves it.
+    return hashlib.sha256(f"leanformer temporary {name} {nonce}".encode()).hexdigest()[:8]
+
+
 def temporary_name(path: Path) -> Path:
-    """Where ``path`` is written before it is renamed into place: ``.<name>.<random>.tmp``
+    """Where ``path`` is written before it is renamed into place: ``.<name>.<random><check>.tmp``
     beside it (same file system, so the rename is atomic; a leading dot hides it)."""
-    return path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    nonce = secrets.token_hex(4)
+    return path.with_name(f".{path.name}.{nonce}{_temporary_check(path.name, nonce)}.tmp")
 
 
 def is_temporary_of(candidate: Path, name: str) -> bool:
-    """Whether ``candidate`` is a temporary file :func:`atomic_write` made for file ``name``."""
-    return candidate.name.startswith(f".{name}.") and candidate.name.endswith(".tmp")
+    """Whether ``candidate`` is a temporary file :func:`atomic_write` made for file ``name``
+    (its name carries the check only this module computes)."""
+    prefix, suffix = f".{name}.", ".tmp"
+    if not (candidate.name.startswith(prefix) and candidate.name.endswith(suffix)):
+        return False
+    middle = candidate.name[len(prefix) : -len(suffix)]
+    if len(middle) != 16 or any(c not in "0123456789abcdef" for c in middle):
+        return False
+    return middle[8:] == _temporary_check(name, middle[:8])
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -86,8 +108,11 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            # Name the file being written, not the temporary that is gone.
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from None
         raise
     _fsync_folder(path.parent)
 
@@ -161,19 +186,19 @@ def save_checkpoint(
     if extra:
         state["extra"] = _flatten_state("extra", extra, tensors)
     header = json.dumps(state, sort_keys=True)
-    # The digest covers the tensor bytes, which follow the header: serialise once with a
-    # placeholder of the digest's length, hash what follows the header, and put the digest
-    # in the placeholder's place (same length, so no offset moves).
-    placeholder = "0" * 64
-    blob = serialize(tensors, metadata={META_KEY: header, DIGEST_KEY: placeholder})
+    # The digest covers every byte of the file: serialise once with a placeholder of the
+    # digest's length, hash the file as it stands, and put the digest in the placeholder's
+    # place (same length, so no offset moves). Readers hash it with the placeholder back.
+    blob = serialize(tensors, metadata={META_KEY: header, FILE_DIGEST_KEY: _PLACEHOLDER})
     start = _HEADER_LENGTH_BYTES + int.from_bytes(blob[:_HEADER_LENGTH_BYTES], "little")
     body = memoryview(blob)[start:]
-    digest = hashlib.sha256(body).hexdigest()
-    mark = f'"{DIGEST_KEY}":"{placeholder}"'.encode()
+    mark = _digest_mark(_PLACEHOLDER)
     head = blob[:start]
     if head.count(mark) != 1:
         raise RuntimeError("safetensors wrote its header in an unexpected form; cannot record the SHA-256")
-    head = head.replace(mark, f'"{DIGEST_KEY}":"{digest}"'.encode())
+    digest = hashlib.sha256(head)
+    digest.update(body)
+    head = head.replace(mark, _digest_mark(digest.hexdigest()))
 
     def write(handle: IO[bytes]) -> None:
         handle.write(head)
@@ -205,44 +230,91 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def _tensor_bytes_digest(path: Path) -> str:
-    """SHA-256 of everything after the safetensors header, read in chunks (not into memory)."""
-    sha = hashlib.sha256()
+def _digest_mark(digest: str) -> bytes:
+    """How the whole-file digest appears in the safetensors header (compact JSON)."""
+    return f'"{FILE_DIGEST_KEY}":"{digest}"'.encode()
+
+
+def _digest_after(path: Path, head: bytes, *, include_head: bool = True) -> str:
+    """SHA-256 of ``head`` (unless not ``include_head``) followed by the bytes of ``path``
+    after its header, read in chunks (not into memory)."""
+    sha = hashlib.sha256(head if include_head else b"")
     with path.open("rb") as handle:
-        length = int.from_bytes(handle.read(_HEADER_LENGTH_BYTES), "little")
-        handle.seek(_HEADER_LENGTH_BYTES + length)
+        handle.seek(len(head))
         while chunk := handle.read(1 << 22):
             sha.update(chunk)
     return sha.hexdigest()
 
 
-def _verify(path: Path, expected: str | None) -> None:
-    if expected is None:
+def _raw_header(path: Path) -> bytes:
+    with path.open("rb") as handle:
+        prefix = handle.read(_HEADER_LENGTH_BYTES)
+        return prefix + handle.read(int.from_bytes(prefix, "little"))
+
+
+def _verify(path: Path, metadata: dict[str, str], *, tensors_read: bool) -> None:
+    """Refuse ``path`` unless its recorded SHA-256 matches its bytes (see the module doc).
+    An older file is checked (and warned about) only where its tensors are read: its
+    metadata alone has nothing to check it."""
+    expected = metadata.get(FILE_DIGEST_KEY)
+    if expected is not None:
+        head = _raw_header(path)
+        if head.count(_digest_mark(expected)) != 1:
+            raise ValueError(f"checkpoint {path} is damaged: its header's SHA-256 entry is unreadable")
+        found = _digest_after(path, head.replace(_digest_mark(expected), _digest_mark(_PLACEHOLDER)))
+        if found != expected:
+            raise ValueError(
+                f"checkpoint {path} is damaged: its bytes have SHA-256 {found[:12]}..., "
+                f"its header recorded {expected[:12]}... when it was written"
+            )
+        return
+    tensors_only = metadata.get(DIGEST_KEY)
+    if _format_of(metadata) not in (None, _OLD_FORMAT):
+        # Files of this format always record the whole-file digest: its entry was damaged.
+        raise ValueError(f"checkpoint {path} is damaged: its header lacks its SHA-256 entry")
+    if not tensors_read:
+        return
+    if tensors_only is None:
         warnings.warn(
-            f"{path} carries no SHA-256 (written before checksums); its tensor bytes are not verified",
+            f"{path} carries no SHA-256 (written before checksums); its bytes are not verified",
             UnverifiedCheckpointWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         return
-    found = _tensor_bytes_digest(path)
-    if found != expected:
+    found = _digest_after(path, _raw_header(path), include_head=False)
+    if found != tensors_only:
         raise ValueError(
             f"checkpoint {path} is damaged: its tensor bytes have SHA-256 {found[:12]}..., "
-            f"its header recorded {expected[:12]}... when it was written"
+            f"its header recorded {tensors_only[:12]}... when it was written"
         )
+    warnings.warn(
+        f"{path} carries a SHA-256 of its tensor bytes only (an older checkpoint); "
+        "its metadata is not verified",
+        UnverifiedCheckpointWarning,
+        stacklevel=4,
+    )
+
+
+def _format_of(metadata: dict[str, str]) -> str | None:
+    try:
+        meta = json.loads(metadata.get(META_KEY) or "null")
+    except json.JSONDecodeError:
+        return None
+    found = meta.get("format") if isinstance(meta, dict) else None
+    return found if isinstance(found, str) else None
 
 
 def _read(path: str | Path, *, prefix: str | None) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """The metadata of checkpoint ``path`` (a file, or a run folder) and its tensors whose
     names start with ``prefix`` (none when ``prefix`` is None): readers take only what they
-    use. Reading tensors checks the file's SHA-256 first."""
+    use. Reading checks the file's SHA-256 first, metadata included."""
     path = resolve_checkpoint(path)
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
             header = metadata.get(META_KEY)
-            if header is not None and prefix is not None:
-                _verify(path, metadata.get(DIGEST_KEY))
+            if header is not None:
+                _verify(path, metadata, tensors_read=prefix is not None)
             names = [] if prefix is None else [k for k in handle.keys() if k.startswith(prefix)]  # noqa: SIM118
             data = {k: handle.get_tensor(k) for k in names}
     except ValueError:
@@ -295,7 +367,12 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
 
 def load_model(
-    path: str | Path, *, device: str | torch.device = "cpu", ema: bool = False, **overrides: Any
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    ema: bool = False,
+    allow_nonfinite: bool = False,
+    **overrides: Any,
 ) -> nn.Module:
     """Rebuild the model saved in checkpoint ``path`` from its config and load its weights
     (``ema``: the exponential moving average of the weights that a run with ``train.ema``
@@ -303,6 +380,7 @@ def load_model(
 
     ``overrides`` replace constructor options (e.g. ``pool=``, ``keep=`` to evaluate the
     trained weights with token pooling); options that add parameters leave them at init.
+    Weights holding a NaN or an inf are refused unless ``allow_nonfinite``.
     """
     path = resolve_checkpoint(path)
     # The model's tensors only: an optimizer's state can be twice their size.
@@ -317,11 +395,13 @@ def load_model(
     if not isinstance(options, dict):
         raise ValueError(f"checkpoint {path}: its model_options are damaged (not a mapping)")
     options = dict(options)
+    weights = {k[len(prefix) :]: v for k, v in tensors.items()}
+    check_finite_state(weights, source=f"checkpoint {path}", allow_nonfinite=allow_nonfinite)
     model = create_model(name, **{**options, **overrides})
     changed = ", ".join(f"{k}={v!r}" for k, v in overrides.items()) or "none"
     missing, unexpected = load_state_lenient(
         model,
-        {k[len(prefix) :]: v for k, v in tensors.items()},
+        weights,
         mismatch=f"the weights in {path} do not fit {name} with the options {changed}",
     )
     if missing and not overrides:

@@ -36,7 +36,6 @@ from leanformer.config import (
     TrainConfig,
     check_seed,
     flag_names,
-    parse_model_options,
     plain_options,
     to_dict,
 )
@@ -64,6 +63,7 @@ from leanformer.engine.recipe import (
     build_optimizer,
     check_recipe,
 )
+from leanformer.engine.resume_rule import check_resume
 from leanformer.engine.run_folder import (
     CONFIG_NAME,
     check_new_run_folder,
@@ -108,6 +108,9 @@ def _validate(cfg: RunConfig) -> None:
     # A negative floor or decay would silently turn descent into ascent for some steps.
     if o.min_lr < 0:
         raise ValueError(f"optim.min_lr must be >= 0, got {o.min_lr}")
+    # The schedule decays from lr to min_lr: a floor above the peak would be silently capped.
+    if o.min_lr > o.lr:
+        raise ValueError(f"optim.min_lr ({o.min_lr}) must not exceed the peak optim.lr ({o.lr})")
     # `not x >= 0` also refuses NaN, which a config file's `.nan` gives (a flag refuses it).
     if not (o.weight_decay >= 0 and math.isfinite(o.weight_decay)):
         raise ValueError(f"optim.weight_decay must be a finite number >= 0, got {o.weight_decay}")
@@ -218,6 +221,7 @@ class _LossFn:
         self.teacher = teacher
         self.weight = cfg.train.distill_weight
         self.tau = cfg.train.distill_tau
+        self.teacher_logits: Tensor | None = None  # the last batch's, to blame a NaN loss rightly
 
     def __call__(self, logits: Tensor, target: Tensor, inputs: Any) -> Tensor:
         if target.is_floating_point():  # Mixup/CutMix: a distribution per example
@@ -228,8 +232,14 @@ class _LossFn:
             return loss
         with torch.no_grad():
             teacher_logits = call_model(self.teacher, inputs)
+        self.teacher_logits = teacher_logits
         soft = soft_cross_entropy(logits, teacher_logits, temperature=self.tau)
         return (1.0 - self.weight) * loss + self.weight * soft
+
+    def teacher_diverged(self) -> bool:
+        """Whether the teacher's last output held NaN or inf (checked only once a loss is
+        non-finite: no host sync per step)."""
+        return self.teacher_logits is not None and not bool(self.teacher_logits.isfinite().all())
 
 
 def _query_sampler(cfg: RunConfig, model: nn.Module, seed: int):
@@ -277,9 +287,17 @@ def _check_forward(
         loss_fn(logits, target, inputs)
 
 
-def _stop_message(loss: Tensor, epoch: int, step: int, out: Path | None, *, discarded: bool) -> str:
-    """Why training stopped, naming the checkpoint to go back to only if there is one."""
+def _stop_message(
+    loss: Tensor, epoch: int, step: int, out: Path | None, *, discarded: bool, teacher: str | None = None
+) -> str:
+    """Why training stopped, naming the checkpoint to go back to only if there is one, and
+    the ``teacher`` when its output was what became non-finite."""
     message = f"loss became {loss.item()} at epoch {epoch + 1}, step {step + 1}; training stopped"
+    if teacher is not None:
+        message = (
+            f"the teacher {teacher} gave NaN or inf scores at epoch {epoch + 1}, step {step + 1} "
+            "(the student's loss followed); training stopped"
+        )
     if out is not None and (out / CHECKPOINT_NAME).is_file():
         return f"{message}; the last good checkpoint is {out / CHECKPOINT_NAME}"
     if out is not None:
@@ -287,7 +305,7 @@ def _stop_message(loss: Tensor, epoch: int, step: int, out: Path | None, *, disc
     if discarded:
         message += f", and {out} keeps nothing of this run"
     # Diverging in the first epoch is nearly always a learning rate far too high.
-    return message + (" (is the learning rate too high?)" if epoch == 0 else "")
+    return message + (" (is the learning rate too high?)" if epoch == 0 and teacher is None else "")
 
 
 def fit(
@@ -384,43 +402,13 @@ def _fit(
         start_epoch, history = 0, cast(list[dict[str, Any]], [])
         if resume and out is not None and (out / CHECKPOINT_NAME).exists():
             ckpt = load_checkpoint(out / CHECKPOINT_NAME)
-            saved_options = parse_model_options(ckpt.meta.get("model_options", {}))
-            if ckpt.meta.get("model_name") != cfg.model or saved_options != model_options:
-                raise ValueError(
-                    f"checkpoint in {out} is for {ckpt.meta.get('model_name')} "
-                    f"{ckpt.meta.get('model_options')}, not {cfg.model} {model_options}"
-                )
-            # The optimizer and schedule resume from their saved state, which a new lr,
-            # floor or warmup would contradict; only the number of epochs may change.
-            saved_optim = dict(ckpt.meta.get("config", {}).get("optim", {}))
-            changed = [
-                f"{key} {saved_optim[key]} -> {getattr(cfg.optim, key)}"
-                for key in saved_optim
-                if key != "epochs" and hasattr(cfg.optim, key) and getattr(cfg.optim, key) != saved_optim[key]
-            ]
-            if changed:
-                raise ValueError(
-                    f"resume: optim settings cannot change in a resumed run ({', '.join(changed)}); "
-                    "only optim.epochs can"
-                )
-            # Query Masking's sampler resumes from its saved state, which a run trained
-            # without it has not (and a run trained with it would silently stop masking).
-            saved_train = dict(ckpt.meta.get("config", {}).get("train", {}))
-            switched = [
-                f"{key} {saved_train.get(key, default)} -> {getattr(cfg.train, key)}"
-                for key, default in (("query_masking", False), ("query_distribution", "uniform"))
-                if saved_train.get(key, default) != getattr(cfg.train, key)
-            ]
-            if switched:
-                raise ValueError(
-                    f"resume: Query Masking cannot change in a resumed run ({', '.join(switched)}); "
-                    "train a new run (another --out) to change it"
-                )
-            saved_seed = ckpt.meta.get("config", {}).get("seed", cfg.seed)
-            if saved_seed != cfg.seed:
-                raise ValueError(
-                    f"resume: the run was seeded with {saved_seed}, not {cfg.seed}; a run keeps its seed"
-                )
+            check_resume(
+                ckpt.meta.get("config", {}),
+                cfg,
+                saved_model_options=ckpt.meta.get("model_options", {}),
+                model_options=model_options,
+                without_effect=[f"train.{key}" for key, *_ in _ignored_options(cfg.train)],
+            )
             # One random state per process of the run; every rank checks, so all stop.
             saved_states = ckpt.extra["torch_rng"]
             if dist_info.world_size > len(saved_states):
@@ -490,7 +478,9 @@ def _fit(
                     # One host sync per step: a diverged run must stop before it overwrites anything.
                     if not torch.isfinite(loss).item():
                         discard = out is not None and dist_info.is_main and uncommitted()
-                        raise NonFiniteLossError(_stop_message(loss, epoch, step, out, discarded=discard))
+                        teacher = cfg.train.teacher if loss_fn.teacher_diverged() else None
+                        message = _stop_message(loss, epoch, step, out, discarded=discard, teacher=teacher)
+                        raise NonFiniteLossError(message)
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     if cfg.train.grad_clip is not None:

@@ -35,6 +35,8 @@ from typing import Any
 
 import yaml
 
+from leanformer.strict_yaml import safe_load_strict
+
 # Keep schedules copied from the Token Pooling paper, appendix G: the maximal number of
 # tokens (class token excluded) retained after each of the 12 transformer blocks.
 # DeiT-S level 0 is printed with 13 entries, ending in seven 173s for a 12-block model
@@ -249,9 +251,12 @@ def _parse_text(text: str) -> KeepSchedule:
         return KeepSchedule(blocks=PRESETS[name], preset=name)
     if name[:1] in "rR" and name[1:].isdigit():
         return KeepSchedule(remove=int(name[1:]))
+    if name[:1] in "rR" and re.fullmatch(r"[+-]?[0-9.eE+-]+", name[1:]):
+        # ToMe's form with another number: say what the form takes, not "unknown preset".
+        raise ValueError(f"keep {text!r}: ToMe's form r<N> removes a whole number N >= 0 of tokens per block")
     if name[:1] in "[{":  # a YAML list or mapping, as a dotted config override spells it
         try:
-            value = yaml.safe_load(name)
+            value = safe_load_strict(name)
         except yaml.YAMLError:
             raise ValueError(f"keep {text!r} is not a valid YAML list or mapping") from None
         return parse_keep(value)

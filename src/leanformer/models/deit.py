@@ -22,7 +22,7 @@ import timm
 from timm.models import register_model
 from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
-from torch import nn
+from torch import Tensor, nn
 
 from leanformer.layers.budgets import KeepLike
 from leanformer.layers.checks import (
@@ -137,6 +137,17 @@ class DeiT(VisionTransformer):
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:
         classifier(self.embed_dim, num_classes)  # raises before the model changes
         super().reset_classifier(num_classes, global_pool)
+
+    def forward_features(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """timm's, except that an empty batch ``[0, C, H, W]`` gives empty features
+        ``[0, num_prefix_tokens, D]`` (timm's position embedding cannot reshape zero images),
+        so ``forward`` returns empty logits ``[0, num_classes]``."""
+        if x.shape[0] == 0:
+            prefix = x.new_zeros(
+                0, self.num_prefix_tokens, self.embed_dim, dtype=next(self.parameters()).dtype
+            )
+            return prefix
+        return super().forward_features(x, *args, **kwargs)
 
 
 class DistilledDeiT(DeiT, VisionTransformerDistilled):

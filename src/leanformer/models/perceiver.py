@@ -42,7 +42,13 @@ from leanformer.layers.norm import LAYER_NORM
 from leanformer.layers.patch_embed import PatchEmbed, resample_pos_embed, to_2tuple
 from leanformer.models.query_budget import check_query_count
 from leanformer.models.registry import register
-from leanformer.ops.query_selection import DQS_RULES, bucket_counts, kept_positions, select_queries
+from leanformer.ops.query_selection import (
+    DQS_RULES,
+    bucket_counts,
+    check_dqs_threshold,
+    kept_positions,
+    select_queries,
+)
 from leanformer.ops.ragged import RaggedBatch
 
 
@@ -232,7 +238,7 @@ class VisualPerceiver(nn.Module):
         if dqs_threshold is None:
             self.last_kept_counts = self.last_kept_mask = None
             return self.decode(self.encode(queries, mixed))
-        return self._forward_dqs(queries, mixed, float(dqs_threshold), dqs_rule)
+        return self._forward_dqs(queries, mixed, check_dqs_threshold(dqs_threshold), dqs_rule)
 
     def _forward_dqs(self, queries: Tensor, mixed: Tensor, threshold: float, rule: str) -> Tensor:
         """Select queries per input on ``mixed [B, K, C]``, then run only the kept ones.

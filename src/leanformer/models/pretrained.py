@@ -15,7 +15,7 @@ from typing import Any
 from safetensors.torch import load_file
 from torch import nn
 
-from leanformer.models.state_loading import load_state_lenient
+from leanformer.models.state_loading import check_finite_state, load_state_lenient
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
@@ -32,7 +32,26 @@ def model_card(name: str) -> dict[str, Any]:
     if not path.is_file() or not (WEIGHTS_DIR / f"{name}.safetensors").is_file():
         shipped = ", ".join(shipped_models()) or "none"
         raise ValueError(f"model {name!r} has no shipped weights (pretrained=True works for: {shipped})")
-    return json.loads(path.read_text())
+    return _read_card(path)
+
+
+def _read_card(path: Path) -> dict[str, Any]:
+    """The card at ``path``, checked for what readers take from it (``sha256``, ``data.name``):
+    a damaged card is one clear error, not a JSONDecodeError or KeyError from inside."""
+    reinstall = "the file is damaged or was edited; reinstall leanformer"
+    try:
+        card = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"weights card {path.name} is not valid JSON: {reinstall}") from None
+    if not isinstance(card, dict):
+        raise ValueError(f"weights card {path.name} is not a JSON object: {reinstall}")
+    digest = card.get("sha256")
+    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError(f"weights card {path.name} has no valid sha256 (64 hex digits): {reinstall}")
+    data = card.get("data")
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        raise ValueError(f"weights card {path.name} does not name its data set (data.name): {reinstall}")
+    return card
 
 
 def file_sha256(path: Path) -> str:
@@ -58,6 +77,7 @@ def load_pretrained(model: nn.Module, name: str) -> nn.Module:
             f"got {actual[:16]}...): the file is damaged or was replaced; reinstall leanformer"
         )
     state = load_file(str(path))
+    check_finite_state(state, source=f"shipped weights {path.name}")
     missing, unexpected = load_state_lenient(
         model,
         state,

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 import leanformer.models as pkg
+from leanformer.memory_budget import check_model_budget
 from leanformer.models.pretrained import load_pretrained, model_card
 
 
@@ -154,11 +155,18 @@ def create_model(name: str, *, pretrained: bool = False, **overrides: Any) -> nn
     ``pretrained=True`` loads the weights shipped with the package (checked against
     their SHA-256); a model without shipped weights raises a ValueError.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"create_model takes a model name (a str, see list_models()), got {name!r}")
+    # Only a real bool: `pretrained="no"` would be truthy and load the weights.
+    if not isinstance(pretrained, bool):
+        raise TypeError(f"pretrained must be True or False, got {pretrained!r}")
     entry = model_info(name)
     _check_options(name, entry.cls, overrides)
     if pretrained:
         model_card(name)  # fail before building when nothing is shipped
-    model = entry.cls(**{**entry.defaults, **overrides})
+    options = {**entry.defaults, **overrides}
+    check_model_budget(name, entry.cls, options)  # before a size the machine cannot hold is built
+    model = entry.cls(**options)
     model.leanformer_name = name  # type: ignore[assignment]
     if pretrained:
         load_pretrained(model, name)

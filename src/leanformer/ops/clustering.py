@@ -291,11 +291,28 @@ def _weights(x: Tensor, weights: Tensor | None, dtype: torch.dtype) -> Tensor:
     return weights.detach().to(dtype)
 
 
-def _kernel_inputs(x: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
+def _kernel_inputs(x: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """What the C++ clusterings take: the tokens widened as :func:`centred` widens them
-    (the kernels centre them themselves), and the weights in the tokens' type."""
+    (the kernels centre them themselves), and the weights in the tokens' type; and which
+    examples ``[B]`` hold a NaN or inf.
+
+    The kernels refuse non-finite values, which would fail the whole batch for one bad
+    image: such an example is clustered as zeros of weight 1 instead (any plan will do),
+    and the caller makes its float outputs NaN (:func:`_poison`), so the NaN stays
+    confined to its own example, as with every other method.
+    """
     tokens = x.detach().to(torch.promote_types(x.dtype, torch.float32))
-    return tokens, _weights(x, weights, tokens.dtype)
+    w = _weights(x, weights, tokens.dtype)
+    bad = ~(tokens.isfinite().flatten(1).all(dim=1) & w.isfinite().all(dim=1))
+    tokens = torch.where(bad[:, None, None], torch.zeros((), dtype=tokens.dtype), tokens)
+    w = torch.where(bad[:, None], torch.ones((), dtype=w.dtype), w)
+    return tokens, w, bad
+
+
+def _poison(values: Tensor, bad: Tensor) -> Tensor:
+    """``values [B, ...]`` with the examples ``bad [B]`` set to NaN (see :func:`_kernel_inputs`)."""
+    nan = torch.full((), float("nan"), dtype=values.dtype)
+    return torch.where(bad.view(-1, *([1] * (values.dim() - 1))), nan, values)
 
 
 def _first_argmin(values: Tensor, assign: Tensor, k: int) -> Tensor:
@@ -423,7 +440,8 @@ def kmedoids_plan(
     if _reads_back(x):
         if kernel_available():
             # Eager on the CPU: the iterations in C++, one example at a time.
-            assign, medoids = iterate_on_cpu(*_kernel_inputs(x, weights), medoids, max_iters)
+            tokens, w, _ = _kernel_inputs(x, weights)  # a bad example's NaN reaches cluster_mean
+            assign, medoids = iterate_on_cpu(tokens, w, medoids, max_iters)
             return ClusterPlan(assign=assign, medoids=medoids, centers=None)
         warn_once_without_kernel()
     xc = centred(x.detach())
@@ -474,7 +492,9 @@ def kmedoids_pooled(
             return ClusterPlan(assign=assign, medoids=medoids, centers=None), pooled
         if kernel_available() and eager_cpu_inference(x, weights, init):
             medoids = _default_init(init, weights, k, N, B, x.device)
-            assign, medoids, pooled = iterate_and_pool_on_cpu(*_kernel_inputs(x, weights), medoids, max_iters)
+            tokens, w, bad = _kernel_inputs(x, weights)
+            assign, medoids, pooled = iterate_and_pool_on_cpu(tokens, w, medoids, max_iters)
+            pooled = _poison(pooled, bad)
             return ClusterPlan(assign=assign, medoids=medoids, centers=None), pooled
     plan = kmedoids_plan(x, k, weights=weights, init=init, max_iters=max_iters)
     return plan, cluster_mean(x, plan, weights)
@@ -527,8 +547,9 @@ def kmeans_plan(
     seeds = _default_init(init, weights, k, N, B, x.device)
     if _reads_back(x) and kmeans_native.applies():
         # Eager on the CPU: the iterations in C++, one example at a time.
-        assign, centers = kmeans_native.iterate_on_cpu(*_kernel_inputs(x, weights), seeds, max_iters)
-        return ClusterPlan(assign=assign, medoids=None, centers=centers.to(x.dtype))
+        tokens, w, bad = _kernel_inputs(x, weights)
+        assign, centers = kmeans_native.iterate_on_cpu(tokens, w, seeds, max_iters)
+        return ClusterPlan(assign=assign, medoids=None, centers=_poison(centers, bad).to(x.dtype))
     xc = centred(x.detach())
     w = _weights(x, weights, xc.dtype)
     centers = gather_tokens(xc, seeds)

@@ -11,8 +11,10 @@ query: ``cos(y_i, y_j) > t`` for some ``j < i``. Two rules are offered:
   dropped query has a kept representative above the threshold; it keeps at least
   as many queries as ``"any"``.
 
-The first candidate is always kept. Similarities are clamped to ``[-1, 1]``, so any
-``t >= 1`` keeps every query and ``t < -1`` keeps only the first.
+The first candidate is always kept. Similarities are clamped to ``[-1, 1]``, so here any
+``t >= 1`` keeps every query and ``t < -1`` keeps only the first. A user's threshold outside
+``[-1, 1]`` is nearly always a slip (a percentage, a count): the model and the command line
+refuse it (:func:`check_dqs_threshold`); these functions still take any real number.
 
 Everything here is a selection *plan* (no gradients), computed once per batch; the
 model then runs only the kept queries, packed, with attention in buckets of similar
@@ -21,6 +23,7 @@ kept count (:func:`bucket_counts`).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -28,6 +31,14 @@ from torch import Tensor
 
 DQSRule = Literal["any", "kept"]
 DQS_RULES: tuple[str, ...] = ("any", "kept")
+
+
+def check_dqs_threshold(value: object, name: str = "dqs_threshold") -> float:
+    """``value`` as a float if it is a cosine threshold in [-1, 1]; a ValueError otherwise."""
+    number = value if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+    if not -1.0 <= number <= 1.0:
+        raise ValueError(f"{name} must be a number in [-1, 1] (a cosine similarity), got {value!r}")
+    return float(number)
 
 
 def cosine_similarities(y: Tensor, eps: float = 1e-8) -> Tensor:
