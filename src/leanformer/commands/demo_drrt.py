@@ -100,20 +100,7 @@ def run_fashion(args: argparse.Namespace) -> list[dict[str, Any]]:
     }
     rows = []
     for name, model, top1 in results:
-        key, inputs, recurrence, fusion = runs[name]
-        rows.append(
-            {
-                "demo": "drrt",
-                "run": key,
-                "model": name,
-                "inputs": inputs,
-                "recurrence": recurrence,
-                "fusion": fusion,
-                "params": sum(p.numel() for p in model.parameters()),
-                "top1": top1,
-                "weights": "shipped",
-            }
-        )
+        rows.append({**_row(runs[name], name, model, top1), "weights": "shipped"})
     caption = f"({DATA.fashion} test split, shipped weights)"
     _write(rows, caption, Path(args.out), json_only=args.json)
     return rows
@@ -152,27 +139,29 @@ def run_digits(args: argparse.Namespace) -> list[dict[str, Any]]:
         started = time.perf_counter()
         result = fit(cfg, out_dir=None, progress=verbose)
         seconds = time.perf_counter() - started
-        params = sum(p.numel() for p in result.model.parameters())
-        rows.append(
-            {
-                "demo": "drrt",
-                "run": key,
-                "model": name,
-                "inputs": inputs,
-                "recurrence": recurrence,
-                "fusion": fusion,
-                "params": params,
-                "top1": result.metrics["top1"],
-                "epochs": args.epochs,
-                "train_seconds": seconds,
-            }
-        )
+        row = _row((key, inputs, recurrence, fusion), name, result.model, result.metrics["top1"])
+        rows.append({**row, "epochs": args.epochs, "train_seconds": seconds})
     caption = (
         f"(digits_pairs test split, {args.epochs} epochs, batch {args.batch_size}, lr {args.lr}, "
         f"seed {args.seed})"
     )
     _write(rows, caption, Path(args.out), json_only=args.json)
     return rows
+
+
+def _row(run: tuple[str, str, str, str], name: str, model: Any, top1: float) -> dict[str, Any]:
+    """One table row: the run's key and settings, the model's size and its top-1."""
+    key, inputs, recurrence, fusion = run
+    return {
+        "demo": "drrt",
+        "run": key,
+        "model": name,
+        "inputs": inputs,
+        "recurrence": recurrence,
+        "fusion": fusion,
+        "params": sum(p.numel() for p in model.parameters()),
+        "top1": top1,
+    }
 
 
 def _write(rows: list[dict[str, Any]], caption: str, out: Path, *, json_only: bool) -> None:
