@@ -171,3 +171,38 @@ def test_dynamic_query_selection_cannot_be_one_graph_but_compiles_with_breaks() 
         compiled = torch.compile(model, backend="aot_eager")(x, dqs_threshold=0.5)
     assert model.last_kept_counts is not None and int(model.last_kept_counts.min()) < 8  # some dropped
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_twenty_patched_models_compile_in_one_process_and_a_new_budget_recompiles_once() -> None:
+    """Patched models of one host class share its forward code; torch.compile allows 8
+    graphs per code object (``recompile_limit``), so a ninth (method, budget) once failed
+    with ``fullgraph=True``. Each patched model now compiles on its own, and changing its
+    budget at run time compiles it once more, not on every call."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    x = torch.randn(2, 3, 16, 16)
+    compiled = []
+    for method in ("tome", "merge", "powerbert", "wkmedoids"):
+        for keep in (0.9, 0.8, 0.7, 0.6, 0.5):
+            model = (
+                apply_token_pooling(_peaked(tiny_vit()), keep=keep, method=method, max_iters=2)
+                if (method == "wkmedoids")
+                else apply_token_pooling(_peaked(tiny_vit()), keep=keep, method=method)
+            )
+            compiled.append((model, torch.compile(model, fullgraph=True, backend=counter)))
+    assert torch._dynamo.config.recompile_limit == 8  # not raised to let this pass
+    with torch.no_grad():
+        for model, fast in compiled:
+            torch.testing.assert_close(fast(x), model(x), rtol=0, atol=1e-4)
+        assert counter.frame_count == 20
+        for model, fast in compiled:  # every graph is reused
+            fast(x)
+        assert counter.frame_count == 20
+        model, fast = compiled[0]
+        model.token_pooling.keep = 0.5
+        for _ in range(3):
+            torch.testing.assert_close(fast(x), model(x), rtol=0, atol=1e-4)
+        assert counter.frame_count == 21

@@ -424,7 +424,7 @@ def test_fashion_preset_budgets_land_on_their_gflops() -> None:
         model = create_model(preset["model"], pool="powerbert", keep=ratio, carry=True)
         assert count_gflops(model, (x,)) / base == pytest.approx(target, rel=0.05), ratio
     for r, target in FASHION_TOME_TARGETS.items():
-        model = create_model(preset["model"], pool="merge", keep={"r": r}, carry=True)
+        model = create_model(preset["model"], pool="tome", keep={"r": r}, carry=True)
         assert count_gflops(model, (x,)) / base == pytest.approx(target, rel=0.05), r
 
 

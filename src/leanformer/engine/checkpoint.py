@@ -26,6 +26,7 @@ from safetensors.torch import save as serialize
 from torch import Tensor, nn
 
 from leanformer.errors import UnverifiedCheckpointWarning
+from leanformer.layers.pooling_state import resolve_gflops_budget
 from leanformer.models.registry import create_model
 from leanformer.models.state_loading import load_state_lenient
 
@@ -321,4 +322,5 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", **overri
         raise ValueError(f"checkpoint {path} has weights the model does not: {', '.join(unexpected[:5])}")
     # Parameters added by an override (e.g. a learned conv downsampler) may be missing.
     model.leanformer_missing_keys = list(missing)  # type: ignore[assignment]
+    resolve_gflops_budget(model)  # a GFLOPs fraction, solved again on the trained weights
     return model.to(device)

@@ -252,7 +252,7 @@ class TokenPooling(nn.Module):
     def solve(self, schedule: KeepSchedule) -> KeepSchedule:
         """The per-block budgets with which this model spends ``schedule.gflops`` of its
         unpooled GFLOPs (:func:`leanformer.layers.gflops_keep.solve_gflops`), counted on one
-        seeded random batch of two images at the configured size. Leaves the reducers as
+        seeded random image at the configured size. Leaves the reducers as
         they were."""
         owner, shape = self.__dict__.get("_owner"), self.example_shape
         if owner is None or shape is None:
@@ -262,7 +262,7 @@ class TokenPooling(nn.Module):
             )
         anchor = self.get_buffer("_device_anchor")
         reference = next((p for p in owner.parameters() if p.is_floating_point()), anchor)
-        example = torch.randn((2, *shape), generator=torch.Generator().manual_seed(0))
+        example = torch.randn((1, *shape), generator=torch.Generator().manual_seed(0))
         example = example.to(device=anchor.device, dtype=reference.dtype)
         saved = self.reducers
         try:
@@ -334,3 +334,18 @@ class TokenPooling(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+
+
+def resolve_gflops_budget(model: nn.Module) -> None:
+    """Solve ``model``'s GFLOPs budget (``keep="0.5x"``) again, on the weights it has now.
+
+    A model built with one is solved on its initial weights; a clustering stops at its
+    fixed point, so its cost can move once trained weights are loaded. Learned layers
+    (``conv``) keep their placement: moving them would drop their weights.
+    """
+    pooling = getattr(model, "token_pooling", None)
+    if not isinstance(pooling, TokenPooling) or pooling.method in (None, "conv"):
+        return
+    keep = pooling.keep
+    if keep is not None and keep.gflops is not None:
+        pooling.set_budget(keep)
