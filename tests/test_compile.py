@@ -185,20 +185,18 @@ def test_twenty_patched_models_compile_in_one_process_and_a_new_budget_recompile
     counter = CompileCounterWithBackend("aot_eager")
     x = torch.randn(2, 3, 16, 16)
     compiled = []
-    for method in ("tome", "merge", "powerbert", "wkmedoids"):
+    # Methods whose graphs are quick to capture (the clusterings' loops are slow to trace,
+    # and the tests above compile them): the recompile budget is the same for every method.
+    for method in ("tome", "merge", "stepmerge", "powerbert"):
         for keep in (0.9, 0.8, 0.7, 0.6, 0.5):
-            model = (
-                apply_token_pooling(_peaked(tiny_vit()), keep=keep, method=method, max_iters=2)
-                if (method == "wkmedoids")
-                else apply_token_pooling(_peaked(tiny_vit()), keep=keep, method=method)
-            )
+            model = apply_token_pooling(_peaked(tiny_vit()), keep=keep, method=method)
             compiled.append((model, torch.compile(model, fullgraph=True, backend=counter)))
     assert torch._dynamo.config.recompile_limit == 8  # not raised to let this pass
     with torch.no_grad():
         for model, fast in compiled:
             torch.testing.assert_close(fast(x), model(x), rtol=0, atol=1e-4)
         assert counter.frame_count == 20
-        for model, fast in compiled:  # every graph is reused
+        for _, fast in compiled:  # every graph is reused
             fast(x)
         assert counter.frame_count == 20
         model, fast = compiled[0]

@@ -143,7 +143,7 @@ def solved_budget(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -
 
     pooling = getattr(model, "token_pooling", None)
     keep = pooling.keep if isinstance(pooling, TokenPooling) else None
-    if keep is None or keep.gflops is None:
+    if not isinstance(pooling, TokenPooling) or keep is None or keep.gflops is None:
         return {"keep_schedule": None, "gflops_ratio": None}
     import copy
 
