@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from leanformer.layers.budgets import KeepSchedule, check_gflops_budget
+from leanformer.layers.budgets import KeepSchedule, check_gflops_budget, effective_counts
 
 # A solved budget lands within this fraction of its target, or is refused.
 TOLERANCE = 0.02
@@ -162,10 +162,15 @@ def solve_gflops(
             )
         solved, reached, above = _solve_r(target, num_tokens=num_tokens, cost=cost, name=name)
     else:
+        # Ratios that keep the same token counts in every block build the same reducers:
+        # the bisection's late steps cost nothing but this look-up. (conv places its layers
+        # from the counts its own windows leave, which these do not follow.)
         memo: dict[tuple[float, ...], float] = {}
 
         def cost_of_ratios(ratios: list[float]) -> float:
-            key = tuple(ratios)
+            key = (
+                tuple(ratios) if method == "conv" else tuple(map(float, effective_counts(ratios, num_tokens)))
+            )
             if key not in memo:
                 memo[key] = cost(KeepSchedule(blocks=tuple(ratios)))
             return memo[key]

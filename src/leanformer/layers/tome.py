@@ -64,13 +64,28 @@ class ToMeMerging(nn.Module):
         self.record = False
         self.last_assign: Tensor | None = None
 
+    @property
+    def keep(self) -> Budget | None:
+        """A token count or keep ratio of the patch tokens (None: ToMe's ``remove``)."""
+        return self._budget
+
+    @keep.setter
+    def keep(self, value: Budget | None) -> None:
+        self._budget = value
+        # torch.compile reads a float attribute that differs between models of one code
+        # (two patched models at 0.9 and 0.8) as a symbolic float, and traces every shape
+        # that follows from it symbolically, minutes for a tiny model; a string is a
+        # constant it guards on, so the ratio is read back from its text (as _Reducer does).
+        self._ratio_text = repr(value) if isinstance(value, float) else None
+
     def output_count(self, n: int, grid: Grid | None = None) -> int:
         """Patch tokens left of ``n``."""
         if self.remove is not None:
             return n - min(self.remove, n // 2)
-        assert self.keep is not None
-        check_tome_budget(self.keep, n, block=-1)
-        return budget_to_count(self.keep, n)
+        budget = self._budget if self._ratio_text is None else float(self._ratio_text)
+        assert budget is not None
+        check_tome_budget(budget, n, block=-1)
+        return budget_to_count(budget, n)
 
     def forward(
         self,
