@@ -66,7 +66,7 @@ class Solved:
 
 def _bisect_ratios(
     keep: Mapping[str, Any], *, depth: int, cost: Callable[[list[float]], float], name: str
-) -> tuple[list[float], float, float | None]:
+) -> tuple[list[float], float, tuple[list[float], float] | None]:
     budget = check_gflops_budget(keep)
     target = budget["gflops"]
 
@@ -93,7 +93,7 @@ def _bisect_ratios(
             low, low_cost = mid, mid_cost
         else:
             high, high_cost = mid, mid_cost
-    return shape(low), low_cost, high_cost
+    return shape(low), low_cost, (shape(high), high_cost)
 
 
 def solve_keep_ratios(
@@ -111,7 +111,7 @@ def solve_keep_ratios(
 
 def _solve_r(
     target: float, *, num_tokens: int, cost: Callable[[KeepSchedule], float], name: str
-) -> tuple[KeepSchedule, float, float | None]:
+) -> tuple[KeepSchedule, float, tuple[KeepSchedule, float] | None]:
     """The smallest constant r whose cost is at most ``target`` (more r, fewer tokens: the
     cost falls as r grows, up to half of the first block's tokens, after which it stays)."""
     full = cost(KeepSchedule(remove=0))
@@ -131,7 +131,7 @@ def _solve_r(
             high, high_cost = mid, mid_cost
         else:
             low, low_cost = mid, mid_cost
-    return KeepSchedule(remove=high), high_cost, low_cost
+    return KeepSchedule(remove=high), high_cost, (KeepSchedule(remove=low), low_cost)
 
 
 def solve_gflops(
@@ -146,9 +146,11 @@ def solve_gflops(
     """Per-block budgets with which ``method`` spends ``schedule.gflops`` of the unpooled GFLOPs.
 
     ``cost(candidate)`` is the model's GFLOPs with ``method`` at the per-block ``candidate``
-    over the unpooled model's. ``tolerance``: the most the cost may fall short of the target,
-    as a fraction of it (None: any amount, the sweep's rule); beyond it the budget is refused,
-    naming the nearest costs the method reaches.
+    over the unpooled model's. ``tolerance``: how far from the target the cost may land, as a
+    fraction of it (None: any amount below it, the sweep's rule). The cheapest schedule at
+    most at the target is preferred; where it falls short by more, the next one above is
+    taken if it lands within the tolerance; else the budget is refused, naming the nearest
+    costs the method reaches.
     """
     if schedule.gflops is None:
         raise ValueError(f"keep={schedule} is not a fraction of the GFLOPs")
@@ -160,7 +162,7 @@ def solve_gflops(
                 f"{name}: tome spends a GFLOPs budget as ToMe's constant r per block; "
                 "tilt and bend shape the keep ratios of the other methods"
             )
-        solved, reached, above = _solve_r(target, num_tokens=num_tokens, cost=cost, name=name)
+        solved, reached, next_up = _solve_r(target, num_tokens=num_tokens, cost=cost, name=name)
     else:
         # Ratios that keep the same token counts in every block build the same reducers:
         # the bisection's late steps cost nothing but this look-up. (conv places its layers
@@ -176,9 +178,14 @@ def solve_gflops(
             return memo[key]
 
         shape = {"gflops": target, "tilt": schedule.tilt, "bend": schedule.bend}
-        ratios, reached, above = _bisect_ratios(shape, depth=depth, cost=cost_of_ratios, name=name)
+        ratios, reached, up = _bisect_ratios(shape, depth=depth, cost=cost_of_ratios, name=name)
         solved = KeepSchedule(blocks=tuple(ratios))
+        next_up = None if up is None else (KeepSchedule(blocks=tuple(up[0])), up[1])
+    above = None if next_up is None else next_up[1]
     if tolerance is not None and target - reached > tolerance * target:
+        if next_up is not None and next_up[1] - target <= tolerance * target:
+            # The next step up lands within the tolerance where the one below does not.
+            return Solved(next_up[0], next_up[1], None)
         nearest = f"{reached:.3g}x" + ("" if above is None else f" and {above:.3g}x")
         raise ValueError(
             f"{method} cannot spend {target:g}x of the unpooled GFLOPs (within {tolerance:.0%}): "
