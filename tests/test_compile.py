@@ -95,7 +95,8 @@ def cpu_plans(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 def test_schedule_covers_every_method() -> None:
     # inputmerge's and entrymerge's reducers are merge's, placed before an attention:
     # tests/test_merge_positions.py compiles those placements.
-    assert set(SCHEDULE) == set(list_methods()) - {"none", "inputmerge", "entrymerge"}
+    # tome compiles in test_twenty_patched_models_compile_in_one_process_and_a_new_budget_recompiles_once.
+    assert set(SCHEDULE) == set(list_methods()) - {"none", "inputmerge", "entrymerge", "tome"}
 
 
 @pytest.mark.slow
