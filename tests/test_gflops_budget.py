@@ -159,6 +159,6 @@ def test_sweep_points_land_on_their_gflops(tmp_path: Path, monkeypatch: pytest.M
     def unexpected(*args: object, **kwargs: object) -> list[float]:
         raise AssertionError("a measured point was solved again")
 
-    monkeypatch.setattr(tradeoff, "solve_keep_ratios", unexpected)
+    monkeypatch.setattr(tradeoff, "solve_gflops", unexpected)
     again = run_sweep(cfg, out_dir=tmp_path, progress=False, base=base, resume=True)
     assert [r["top1"] for r in again.rows] == [r["top1"] for r in rows]

@@ -238,7 +238,10 @@ def test_demo_preset_file_matches_demo() -> None:
     # The Fashion-MNIST demo is the tradeoff_fashion preset on a 2,000-image subset.
     fashion = yaml.safe_load((REPO / "configs" / "tradeoff_fashion.yaml").read_text())
     demo = demo_tokenpool.FASHION_SWEEP
-    assert demo["model"] == fashion["model"] and demo["methods"] == fashion["methods"]
+    # The demo's budgets go down to 0.35x of the GFLOPs, which tome (at most half a block's
+    # tokens per block, 6 blocks) cannot reach: its rows there are the tome_r ones.
+    assert demo["model"] == fashion["model"]
+    assert demo["methods"] == [m for m in fashion["methods"] if m != "tome"]
     assert demo["tome_r"] == fashion["tome_r"] and demo["data"]["limit_test"] == 2000
     # ... at GFLOPs budgets, so its columns and its ranking compare methods at equal cost
     assert demo["budgets"] == [{"gflops": g} for g in (0.9, 0.7, 0.5, 0.35)]
@@ -424,7 +427,7 @@ def test_fashion_preset_budgets_land_on_their_gflops() -> None:
         model = create_model(preset["model"], pool="powerbert", keep=ratio, carry=True)
         assert count_gflops(model, (x,)) / base == pytest.approx(target, rel=0.05), ratio
     for r, target in FASHION_TOME_TARGETS.items():
-        model = create_model(preset["model"], pool="merge", keep={"r": r}, carry=True)
+        model = create_model(preset["model"], pool="tome", keep={"r": r}, carry=True)
         assert count_gflops(model, (x,)) / base == pytest.approx(target, rel=0.05), r
 
 

@@ -40,8 +40,9 @@ def keep_value(text: str) -> Any:
 
 
 BASELINE = "none"
-# ToMe's own budget form: `merge` removing a constant r tokens per block ({"r": r}), drawn as
-# its own line so it can be read against every method at the same GFLOPs.
+# ToMe (the method `tome`) in its own budget form, a constant r tokens removed per block
+# (tome_r: {"r": r}), drawn as its own line so it can be read against every method at the
+# same GFLOPs.
 TOME = "tome"
 
 
@@ -74,7 +75,7 @@ class SweepConfig:
     )
     carry: bool = True
     pool_options: dict[str, Any] = field(default_factory=dict)  # e.g. {max_iters: 5}
-    tome_r: Any = None  # list of r: `merge` in ToMe's form (r tokens removed per block), as method "tome"
+    tome_r: Any = None  # list of r: method `tome` in ToMe's form (r tokens removed per block)
     seeds: int = 1  # runs of each random method (random, importance) at each budget, seeds 0..n-1
     finetune_epochs: int = flag(0, "--finetune-epochs", "fine-tune every variant this many epochs")
     finetune_lr: float = 1e-4
@@ -194,7 +195,7 @@ def methods_of(cfg: SweepConfig) -> list[str]:
 
 def method_options(cfg: SweepConfig, method: str) -> dict[str, Any]:
     """The ``pool_options`` that ``method`` takes (e.g. ``max_iters`` only reaches clustering)."""
-    spec = METHODS["merge" if method == TOME else method]
+    spec = METHODS[method]
     return {k: v for k, v in cfg.pool_options.items() if k in spec.options}
 
 

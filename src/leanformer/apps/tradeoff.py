@@ -28,11 +28,10 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
-from leanformer.apps.gflops_budget import gflops_label, is_gflops_budget, solve_keep_ratios
+from leanformer.apps.gflops_budget import check_gflops_budget, gflops_label, is_gflops_budget
 from leanformer.apps.plots import plot_tradeoff
 from leanformer.apps.sweep_config import (
     BASELINE,
-    TOME,
     SweepConfig,
     budget_label,
     budgets_of,
@@ -55,6 +54,9 @@ from leanformer.engine.evaluate import evaluate
 from leanformer.engine.folder_lock import locked_folder
 from leanformer.engine.run_folder import clear_run
 from leanformer.engine.train import fit
+from leanformer.layers.budgets import KeepSchedule
+from leanformer.layers.gflops_keep import solve_gflops
+from leanformer.layers.token_pooling import NothingPlaced
 from leanformer.models.pretrained import file_sha256
 from leanformer.models.registry import model_info
 from leanformer.patch.api import adapt, apply_token_pooling, is_patched, remove_token_pooling
@@ -107,8 +109,6 @@ def with_method(
         remove_token_pooling(model)
     if method == BASELINE:
         return model
-    if method == TOME:
-        method = "merge"
     check_poolable(type(model))
     return apply_token_pooling(model, keep=keep, method=method, carry=carry, **options)
 
@@ -354,21 +354,30 @@ def solve_method_budget(
     carry: bool,
     options: dict[str, Any],
     name: str,
-) -> list[float]:
-    """The per-block keep ratios with which ``method`` on ``base`` meets the GFLOPs budget
+) -> Any:
+    """The per-block budgets with which ``method`` on ``base`` meets the GFLOPs budget
     ``keep`` (e.g. ``{"gflops": 0.5}``), GFLOPs counted on ``example`` as
-    :func:`measure_point` counts them; ``name`` prefixes any error."""
+    :func:`measure_point` counts them; ``name`` prefixes any error. The library's solver
+    (:func:`leanformer.layers.gflops_keep.solve_gflops`), taking the cheapest point at most
+    at the target whatever its distance (the row records the GFLOPs reached): per-block
+    keep ratios, or ToMe's ``"r<r>"`` for ``tome``."""
     plain = with_method(base, BASELINE, None, carry=False, options={})
     full = count_gflops(plain, (example,))
 
-    def cost(ratios: list[float]) -> float:
+    def cost(candidate: KeepSchedule) -> float:
         try:
-            variant = with_method(base, method, ratios, carry=carry, options=options)
+            variant = with_method(base, method, candidate, carry=carry, options=options)
+        except NothingPlaced:  # no reducer at all: the unpooled model
+            return 1.0
         except ValueError as err:
             raise ValueError(f"{name}: {err}") from None
         return count_gflops(variant, (example,)) / full
 
-    return solve_keep_ratios(keep, depth=len(adapt(plain).blocks), cost=cost, name=name)
+    budget = check_gflops_budget(keep)
+    schedule = KeepSchedule(gflops=budget["gflops"], tilt=budget["tilt"], bend=budget.get("bend", 0.0))
+    depth, tokens = len(adapt(plain).blocks), adapt(plain).num_tokens
+    solved = solve_gflops(schedule, method=method, depth=depth, num_tokens=tokens, cost=cost, tolerance=None)
+    return solved.schedule.to_value()
 
 
 def solve_gflops_budgets(
@@ -465,7 +474,7 @@ def _run_sweep(
     measured = {(r["method"], r["keep"], r["seed"]): r for r in done}
     todo = [(p, key) for p, key in zip(sweep_points(cfg), keys) if key not in measured]
     # GFLOPs budgets are solved for the points still to measure (none left: none solved).
-    pending = [(method, keep) for (method, keep, _), _ in todo if method not in (BASELINE, TOME)]
+    pending = [(method, keep) for (method, keep, _), _ in todo if method != BASELINE]
     schedules = solve_gflops_budgets(cfg, probe, batch[:4], points=pending, progress=progress)
     # Built now: data too small for a fine-tuning batch fails before --overwrite clears.
     tune_loader = (

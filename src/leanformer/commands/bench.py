@@ -138,8 +138,44 @@ def run(args: argparse.Namespace) -> list[dict]:
             progress=not (args.quiet or args.json),
         )
     )
+    row.update(solved_budget(model, inputs, kwargs))
     _print(args, name, row)
     return [row]
+
+
+def solved_budget(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``keep_schedule`` (the per-block budgets a GFLOPs fraction such as ``0.5x`` was solved
+    into) and ``gflops_ratio`` (the model's GFLOPs over its unpooled copy's, counted on
+    ``inputs``); None for a model without such a budget."""
+    from leanformer.layers.budgets import effective_counts
+    from leanformer.layers.pooling_state import TokenPooling
+
+    pooling = getattr(model, "token_pooling", None)
+    keep = pooling.keep if isinstance(pooling, TokenPooling) else None
+    if not isinstance(pooling, TokenPooling) or keep is None or keep.gflops is None:
+        return {"keep_schedule": None, "gflops_ratio": None}
+    import copy
+
+    from leanformer.bench.flops import count_gflops
+    from leanformer.patch.api import remove_token_pooling
+
+    unpooled = remove_token_pooling(copy.deepcopy(model))
+    ratio = count_gflops(model, inputs, forward_kwargs=kwargs) / count_gflops(
+        unpooled, inputs, forward_kwargs=kwargs
+    )
+    schedule = pooling.schedule
+    assert schedule is not None
+    if schedule.blocks is not None:  # solved ratios: three digits say enough
+        text = ",".join(f"{b:.3g}" if isinstance(b, float) else str(b) for b in schedule.blocks)
+    else:
+        text = str(schedule)
+    counts = effective_counts(
+        schedule.per_block(depth=pooling.depth, num_tokens=pooling.num_tokens), pooling.num_tokens
+    )
+    return {
+        "keep_schedule": f"{text} (patch tokens after each block: {','.join(map(str, counts))})",
+        "gflops_ratio": ratio,
+    }
 
 
 def _run_host(args: argparse.Namespace) -> list[dict]:
@@ -180,6 +216,7 @@ def _run_host(args: argparse.Namespace) -> list[dict]:
             progress=not (args.quiet or args.json),
         )
     )
+    row.update(solved_budget(model, (images,), {}))
     _print(args, name, row)
     return [row]
 
@@ -227,6 +264,11 @@ def _print(args: argparse.Namespace, name: str, row: dict[str, Any]) -> None:
             f"{row['img_per_s']:.1f} img/s ±{row['spread_pct'] / 2:.0f}% (batch {args.batch_size}, "
             f"{int(row['threads'])} threads){mem_text}{compile_text}"
         )
+        if row.get("keep_schedule") is not None:
+            print(
+                f"keep {row['keep']} solved as {row['keep_schedule']}: "
+                f"{row['gflops_ratio']:.3f}x the unpooled model's GFLOPs"
+            )
         if row.get("unreliable"):
             why = "the machine was busy" if row.get("busy") else "its runs spread widely"
             print(

@@ -29,6 +29,7 @@ from safetensors.torch import save as serialize
 from torch import Tensor, nn
 
 from leanformer.errors import UnverifiedCheckpointWarning
+from leanformer.layers.pooling_state import resolve_gflops_budget
 from leanformer.models.registry import create_model
 from leanformer.models.state_loading import check_finite_state, load_state_lenient
 
@@ -410,4 +411,5 @@ def load_model(
         raise ValueError(f"checkpoint {path} has weights the model does not: {', '.join(unexpected[:5])}")
     # Parameters added by an override (e.g. a learned conv downsampler) may be missing.
     model.leanformer_missing_keys = list(missing)  # type: ignore[assignment]
+    resolve_gflops_budget(model)  # a GFLOPs fraction, solved again on the trained weights
     return model.to(device)

@@ -14,12 +14,19 @@ accepts
   A bare int is refused: one count for every block is almost always a typo for a ratio;
 - ToMe's form ``{"r": r}`` (``"r16"`` as a string): every block removes ``r`` tokens, at
   most half of those it receives (ToMe's bipartite matching cannot remove more);
+  ``{"r": [r_1, ..., r_L]}`` gives one ``r`` per block, and ``{"r": r, "inflection": i}``
+  ToMe's linear schedule (see :func:`tome_schedule`; ``r=(r, i)`` in Python);
+- a fraction of the unpooled model's GFLOPs, ``"0.5x"``: solved per method and model
+  into per-block budgets (:mod:`leanformer.layers.gflops_keep`). ``{"gflops": 0.5}`` and
+  ``"g0.5"`` (the trade-off sweep's spellings, which also take a ``tilt`` and a ``bend``
+  of the schedule: ``"g0.36t-1.2b1"``) mean the same;
 - a named preset from the paper's appendix G (tables 3-5): ``deit_s_level0`` ...
   ``deit_s_level7``, ``deit_e318_level0`` ... ``deit_e318_level7``, ``deit_e252_level0``
   ... ``deit_e252_level7`` (224x224 images, patch 16: 196 tokens, 12 blocks).
 
 Strings spell the same values as on the command line: ``"0.7"``, ``"12,8,4"``,
-``"0.5,0.5"``, ``"[0.5, 0.5]"``, ``"r16"``, ``"deit_s_level3"``; a number with a ``.`` or an
+``"0.5,0.5"``, ``"[0.5, 0.5]"``, ``"r16"``, ``"{r: 16, inflection: 0.5}"``, ``"0.5x"``,
+``"deit_s_level3"``; a number with a ``.`` or an
 exponent is a ratio, one without is a count.
 """
 
@@ -78,26 +85,33 @@ Budget = TokenCount | KeepRatio  # one block's budget: the Python type tells whi
 
 @dataclass(frozen=True, eq=False, repr=False)
 class KeepSchedule:
-    """A parsed token budget: exactly one of ``blocks``, ``ratio`` and ``remove`` is set.
+    """A parsed token budget: exactly one of ``blocks``, ``ratio``, ``remove`` and ``gflops`` is set.
 
     Build it with :func:`parse_keep`; :meth:`per_block` turns it into one budget per block
     of a given host. ``str()`` gives the command-line spelling and :meth:`to_value` a plain
-    value for YAML/JSON; both parse back to an equal schedule.
+    value for YAML/JSON; both parse back to an equal schedule. A GFLOPs fraction has no
+    per-block budgets of its own: they are solved for a method on a model
+    (:mod:`leanformer.layers.gflops_keep`).
     """
 
     blocks: tuple[Budget, ...] | None = None  # one per block: int = token count, float = ratio
     ratio: KeepRatio | None = None  # the same ratio in every block, whatever the depth
-    remove: TokenCount | None = None  # ToMe's r: tokens removed per block
+    # ToMe's r: tokens removed per block, one for all (with ToMe's inflection) or one per block
+    remove: TokenCount | tuple[TokenCount, ...] | None = None
+    inflection: float = 0.0
+    gflops: float | None = None  # a fraction of the unpooled model's GFLOPs, in (0, 1]
+    tilt: float = 0.0  # the shape of the per-block ratios solved for `gflops`
+    bend: float = 0.0
     preset: str | None = field(default=None, compare=False)  # the appendix-G table `blocks` is
 
     def __post_init__(self) -> None:
-        if sum(v is not None for v in (self.blocks, self.ratio, self.remove)) != 1:
-            raise ValueError("a KeepSchedule holds exactly one of blocks, ratio and remove")
+        if sum(v is not None for v in (self.blocks, self.ratio, self.remove, self.gflops)) != 1:
+            raise ValueError("a KeepSchedule holds exactly one of blocks, ratio, remove and gflops")
 
     def _key(self) -> tuple[Any, ...]:
         # Python finds 1 == 1.0, but a count of one token is not a ratio that keeps them all.
         blocks = None if self.blocks is None else tuple((type(v), v) for v in self.blocks)
-        return (blocks, self.ratio, self.remove)
+        return (blocks, self.ratio, self.remove, self.inflection, self.gflops, self.tilt, self.bend)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KeepSchedule) and self._key() == other._key()
@@ -105,9 +119,24 @@ class KeepSchedule:
     def __hash__(self) -> int:
         return hash(self._key())
 
+    def removals(self, depth: int) -> list[int]:
+        """ToMe's form: the tokens each of ``depth`` blocks removes (before ToMe's cap at half)."""
+        if self.remove is None:
+            raise ValueError(f"keep={self} is not ToMe's form (r tokens removed per block)")
+        if isinstance(self.remove, tuple):
+            if len(self.remove) != depth:
+                raise ValueError(f"keep={self}: {len(self.remove)} values of r for a model of {depth} blocks")
+            return list(self.remove)
+        return tome_schedule(self.remove, self.inflection, depth)
+
     def per_block(self, *, depth: int, num_tokens: int | None = None) -> list[Budget]:
         """One budget per block of a ``depth``-block host whose first block receives
         ``num_tokens`` patch tokens (needed by ToMe's form only)."""
+        if self.gflops is not None:
+            raise ValueError(
+                f"keep={self} is a fraction of the model's GFLOPs: it is solved for a method on a "
+                "model (apply_token_pooling, create_model), not read per block"
+            )
         if self.ratio is not None:
             return [self.ratio] * depth
         if self.remove is not None:
@@ -115,8 +144,8 @@ class KeepSchedule:
                 raise ValueError(f"keep={self}: ToMe's form needs the host's token count")
             counts: list[Budget] = []
             n = num_tokens
-            for _ in range(depth):
-                n -= min(self.remove, n // 2)
+            for r in self.removals(depth):
+                n -= min(r, n // 2)
                 counts.append(n)
             return counts
         assert self.blocks is not None
@@ -126,14 +155,25 @@ class KeepSchedule:
             )
         return list(self.blocks)
 
-    def to_value(self) -> str | float | list[Budget]:
-        """The plain value (preset name, ratio, list, ``"r16"``) that parses back to this."""
+    def to_value(self) -> str | float | list[Budget] | dict[str, Any]:
+        """The plain value (preset name, ratio, list, ``"r16"``, ``"0.5x"``) that parses back to this."""
         if self.preset is not None:
             return self.preset
         if self.ratio is not None:
             return self.ratio
+        if self.gflops is not None:
+            if self.tilt == 0.0 and self.bend == 0.0:
+                return f"{self.gflops!r}x"
+            shape = {"tilt": self.tilt} | ({"bend": self.bend} if self.bend != 0.0 else {})
+            return {"gflops": self.gflops, **shape}
+        if isinstance(self.remove, tuple):
+            return {"r": list(self.remove)}
         if self.remove is not None:
-            return f"r{self.remove}"
+            return (
+                f"r{self.remove}"
+                if self.inflection == 0.0
+                else {"r": self.remove, "inflection": self.inflection}
+            )
         return list(self.blocks or ())
 
     def __repr__(self) -> str:
@@ -141,13 +181,16 @@ class KeepSchedule:
 
     def __str__(self) -> str:
         value = self.to_value()
+        if isinstance(value, dict):
+            return "{" + ", ".join(f"{k}: {_spell_any(v)}" for k, v in value.items()) + "}"
         if isinstance(value, list):
             return ",".join(_spell(v) for v in value)
         return value if isinstance(value, str) else _spell(value)
 
     def label(self) -> str:
         """A short name for tables and plots: the preset name, ``r0.7`` for a ratio,
-        ``64-48-32`` for per-block budgets, ``16/block`` for ToMe's r.
+        ``64-48-32`` for per-block budgets, ``16/block`` for ToMe's r (``16/block i0.5``
+        with an inflection, ``r8-8-4`` for one r per block), ``g0.5`` for a GFLOPs fraction.
 
         Not a spelling that parses back (``r0.7`` would read as ToMe's form): use ``str()``
         for that. Trade-off results are keyed by these names, so they must not change.
@@ -156,17 +199,43 @@ class KeepSchedule:
             return self.preset
         if self.ratio is not None:
             return f"r{self.ratio:g}"
+        if self.gflops is not None:
+            label = f"g{self.gflops!r}"
+            label += f"t{self.tilt!r}" if self.tilt != 0.0 else ""
+            return label + (f"b{self.bend!r}" if self.bend != 0.0 else "")
+        if isinstance(self.remove, tuple):
+            return "r" + "-".join(map(str, self.remove))
         if self.remove is not None:
-            return f"{self.remove}/block"
+            return f"{self.remove}/block" + (f" i{self.inflection:g}" if self.inflection != 0.0 else "")
         return "-".join(f"{v:g}" if isinstance(v, float) else str(v) for v in self.blocks or ())
 
 
-KeepLike = KeepSchedule | str | float | Sequence[Budget] | Mapping[str, int]
+def tome_schedule(r: int, inflection: float, depth: int) -> list[int]:
+    """ToMe's ``(r, inflection)`` schedule: ``r`` per block on a straight line from
+    ``r (1 - inflection)`` at the first block to ``r (1 + inflection)`` at the last, each
+    rounded down, so ``inflection = 0`` removes ``r`` everywhere and ``inflection > 0``
+    removes more in later blocks (ToMe's ``parse_r``)."""
+    first = int(r * (1.0 - inflection))
+    last = 2 * r - first
+    if depth == 1:
+        return [first]
+    step = (last - first) / (depth - 1)
+    return [max(0, int(first + step * i)) for i in range(depth)]
+
+
+KeepLike = KeepSchedule | str | float | Sequence[Budget] | Mapping[str, Any]
 
 KEEP_HELP = (
     "token budget: a keep ratio (float in (0, 1], 1.0 keeps all), per-block counts (ints: "
-    "12,8,4) or ratios (0.5,0.5), ToMe's r16, or a preset (deit_s_level3)"
+    "12,8,4) or ratios (0.5,0.5), ToMe's r16, a fraction of the GFLOPs (0.5x), or a preset "
+    "(deit_s_level3)"
 )
+
+
+def _spell_any(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return repr(value) if isinstance(value, float) else str(value)
 
 
 def _spell(budget: Budget) -> str:
@@ -191,7 +260,9 @@ def parse_keep(keep: Any) -> KeepSchedule:
     if isinstance(keep, str):
         return _parse_text(keep)
     if isinstance(keep, bool):
-        raise ValueError(f"keep must be a ratio, a list, ToMe's r or a preset name, got {keep!r}")
+        raise ValueError(
+            f"keep must be a ratio, a list, ToMe's r, a GFLOPs fraction or a preset name, got {keep!r}"
+        )
     if isinstance(keep, numbers.Integral):
         raise ValueError(
             f"keep={keep}: an int is a token count and needs one per block (e.g. [{keep}, {keep}, ...]); "
@@ -200,7 +271,7 @@ def parse_keep(keep: Any) -> KeepSchedule:
     if isinstance(keep, numbers.Real):
         return KeepSchedule(ratio=_ratio(float(keep), "keep"))
     if isinstance(keep, Mapping):
-        return _remove_per_block(keep)
+        return _gflops_schedule(keep) if "gflops" in keep else _remove_per_block(keep)
     if isinstance(keep, Sequence):
         if not keep:
             raise ValueError("keep=[]: a per-block list needs one entry per block")
@@ -226,15 +297,118 @@ def _block_budget(value: Any, block: int) -> Budget:
 
 
 def _remove_per_block(keep: Mapping[str, Any]) -> KeepSchedule:
-    """ToMe's ``{"r": r}``: block l keeps ``n_l - min(r, n_l // 2)`` of the ``n_l`` it receives."""
-    if set(keep) != {"r"}:
+    """ToMe's ``{"r": r}``: block l keeps ``n_l - min(r, n_l // 2)`` of the ``n_l`` it
+    receives; ``{"r": [r_1, ...]}`` one r per block; ``{"r": r, "inflection": i}`` ToMe's schedule."""
+    if "r" not in keep or set(keep) - {"r", "inflection"}:
         raise ValueError(
-            f"keep must be a ratio, a list, a preset name or {{'r': tokens removed per block}}, got {keep!r}"
+            "keep must be a ratio, a list, a preset name, {'r': tokens removed per block} or "
+            f"{{'gflops': fraction}}, got {dict(keep)!r}"
         )
     r = keep["r"]
-    if isinstance(r, bool) or not isinstance(r, numbers.Integral) or r < 0:
-        raise ValueError(f"keep={{'r': ...}} needs a token count (int) >= 0, got {r!r}")
-    return KeepSchedule(remove=int(r))
+    if "inflection" in keep:
+        r = (r, keep["inflection"])
+    return parse_r(r)
+
+
+def parse_r(r: Any) -> KeepSchedule:
+    """ToMe's ``r``: an int (tokens removed by every block), a list (one per block) or
+    ToMe's ``(r, inflection)`` schedule (:func:`tome_schedule`) -> a :class:`KeepSchedule`."""
+
+    def count(value: Any, where: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{where} needs a token count (int) >= 0, got {value!r}")
+        return int(value)
+
+    if isinstance(r, tuple):
+        if len(r) != 2:
+            raise ValueError(f"r=(r, inflection) takes two values, got {r!r}")
+        inflection = r[1]
+        if isinstance(inflection, bool) or not isinstance(inflection, numbers.Real):
+            raise ValueError(f"r=(r, inflection): the inflection must be a number, got {inflection!r}")
+        if not -1.0 <= float(inflection) <= 1.0:
+            raise ValueError(f"r=(r, inflection): the inflection must lie in [-1, 1], got {inflection}")
+        return KeepSchedule(remove=count(r[0], "r=(r, inflection)"), inflection=float(inflection))
+    if isinstance(r, list):
+        if not r:
+            raise ValueError("r=[]: a per-block list of r needs one entry per block")
+        return KeepSchedule(remove=tuple(count(v, f"r[{i}] (block {i})") for i, v in enumerate(r)))
+    return KeepSchedule(remove=count(r, "r"))
+
+
+# A GFLOPs fraction's schedule shape beyond these keeps every token or none in the first or
+# last blocks whatever the target.
+MAX_TILT = 10.0
+MAX_BEND = 10.0
+_GFLOPS_TEXT = re.compile(r"g(?P<gflops>[0-9.eE+-]+?)(?:t(?P<tilt>[0-9.eE+-]+?))?(?:b(?P<bend>[0-9.eE+-]+))?")
+_TIMES_TEXT = re.compile(r"(?P<gflops>[0-9.eE+-]+)[xX]")
+
+
+def check_gflops_budget(keep: Mapping[str, Any]) -> dict[str, float]:
+    """A GFLOPs budget ``{"gflops": f, "tilt": t, "bend": b}`` with its numbers checked:
+    ``gflops`` in (0, 1], ``tilt`` and ``bend`` finite (default 0). ``bend`` is left out
+    when it is 0, so budgets without one read as before."""
+    stray = sorted(set(keep) - {"gflops", "tilt", "bend"})
+    if stray:
+        raise ValueError(
+            f"a GFLOPs budget takes gflops:, tilt: and bend:, not {', '.join(stray)} (got {dict(keep)!r})"
+        )
+    target, tilt, bend = keep["gflops"], keep.get("tilt", 0.0), keep.get("bend", 0.0)
+    for name, value in (("gflops", target), ("tilt", tilt), ("bend", bend)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"GFLOPs budget {dict(keep)!r}: {name} must be a finite number, got {value!r}")
+    for name, value, limit in (("tilt", tilt, MAX_TILT), ("bend", bend, MAX_BEND)):
+        if abs(value) > limit:
+            raise ValueError(
+                f"GFLOPs budget {dict(keep)!r}: {name} must lie in [-{limit}, {limit}], got {value}"
+            )
+    if not 0.0 < target <= 1.0:
+        raise ValueError(
+            f"GFLOPs budget {dict(keep)!r}: gflops is a fraction of the unpooled model's GFLOPs, "
+            f"in (0, 1], got {target}"
+        )
+    checked = {"gflops": float(target), "tilt": float(tilt)}
+    return checked | ({"bend": float(bend)} if bend != 0.0 else {})
+
+
+def parse_gflops_text(text: str) -> dict[str, float] | None:
+    """``"0.5x"``, ``"g0.5"``, ``"g0.36t-1.2"``, ``"g0.36b1"`` -> the budget as a mapping
+    (:func:`check_gflops_budget`); None when ``text`` is of neither form."""
+    text = text.strip()
+    times = _TIMES_TEXT.fullmatch(text)
+    if times is not None:
+        try:
+            return check_gflops_budget({"gflops": float(times["gflops"])})
+        except ValueError as err:
+            if "fraction" in str(err):
+                raise
+            raise ValueError(f"GFLOPs budget {text!r}: expected <fraction>x, e.g. 0.5x") from None
+    match = _GFLOPS_TEXT.fullmatch(text)
+    if match is None:
+        # No preset name starts with g followed by a digit or point: such a text was meant
+        # as a GFLOPs budget, and is better told so than shown the list of presets.
+        if re.fullmatch(r"[gG][0-9.].*", text):
+            raise _misspelled_gflops(text)
+        return None
+    try:
+        keep = {"gflops": float(match["gflops"])}
+        for name in ("tilt", "bend"):
+            if match[name] is not None:
+                keep[name] = float(match[name])
+    except ValueError:
+        raise _misspelled_gflops(text) from None
+    return check_gflops_budget(keep)
+
+
+def _misspelled_gflops(text: str) -> ValueError:
+    return ValueError(
+        f"GFLOPs budget {text!r}: expected g<fraction>, optionally followed by t<tilt> and then b<bend>, "
+        "e.g. g0.5, g0.36t-1.2 or g0.36b1 (or <fraction>x: 0.5x)"
+    )
+
+
+def _gflops_schedule(budget: Mapping[str, Any]) -> KeepSchedule:
+    checked = check_gflops_budget(budget)
+    return KeepSchedule(gflops=checked["gflops"], tilt=checked["tilt"], bend=checked.get("bend", 0.0))
 
 
 _COUNT = re.compile(r"[+-]?\d+")
@@ -254,6 +428,9 @@ def _parse_text(text: str) -> KeepSchedule:
     if name[:1] in "rR" and re.fullmatch(r"[+-]?[0-9.eE+-]+", name[1:]):
         # ToMe's form with another number: say what the form takes, not "unknown preset".
         raise ValueError(f"keep {text!r}: ToMe's form r<N> removes a whole number N >= 0 of tokens per block")
+    gflops = parse_gflops_text(name)
+    if gflops is not None:
+        return _gflops_schedule(gflops)
     if name[:1] in "[{":  # a YAML list or mapping, as a dotted config override spells it
         try:
             value = safe_load_strict(name)

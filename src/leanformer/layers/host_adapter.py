@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import FunctionType, MethodType
 from typing import Any
 
 from torch import Tensor, nn
@@ -39,12 +40,14 @@ from leanformer.layers.reducer import (
     reduce_tokens,
     takes_a_count,
 )
-from leanformer.layers.token_pooling import build_reducers, method_reduce_at
+from leanformer.layers.token_pooling import build_reducers, method_reduce_at, pooling_method
 
 Override = tuple[nn.Module, str, Any]  # set on the instance; what it replaced is put back to undo
 
-# attention(normed x [B, N, C], sizes [B, N] | None, need_received) -> (out [B, N, C], received [B, N] | None)
-AttentionFn = Callable[[Tensor, Tensor | None, bool], tuple[Tensor, Tensor | None]]
+# attention(normed x [B, N, C], sizes [B, N] | None, need_received, need_keys=False)
+#   -> (out [B, N, C], what the reducer reads: received [B, N], keys averaged over heads
+#       [B, N, D] when need_keys (ToMe's similarity), or None)
+AttentionFn = Callable[..., tuple[Tensor, Tensor | None]]
 
 
 class UnsupportedHostError(ValueError):
@@ -90,17 +93,24 @@ def pooled_block_forward(
     num_prefix: int,
     reduce_at: ReducePosition,
     grid: Grid | None = None,
+    size_bias: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """One host block with a reducer after its attention (or after its MLP, or at its input).
 
     ``x [B, N, C]``, ``sizes [B, N] | None`` -> ``(x [B, N', C], sizes [B, N'] | None)``;
-    ``grid``: the raster of the patch tokens, for a reducer that reads it (conv).
+    ``grid``: the raster of the patch tokens, for a reducer that reads it (conv);
+    ``size_bias``: whether the attention adds ``log(size)`` to the logits of its keys.
     """
     if reducer is not None and reduce_at == "input":
         x, sizes = reduce_tokens(reducer, x, sizes, None, num_prefix, grid=grid)
         reducer = None
     need_received = reducer is not None and bool(getattr(reducer, "needs_received", False))
-    attn_out, received = parts.attention(parts.norm1(x), sizes, need_received)
+    need_keys = reducer is not None and bool(getattr(reducer, "needs_keys", False))
+    attn_sizes = sizes if size_bias else None
+    if need_keys:
+        attn_out, received = parts.attention(parts.norm1(x), attn_sizes, False, need_keys=True)
+    else:
+        attn_out, received = parts.attention(parts.norm1(x), attn_sizes, need_received)
     x = x + _chain(attn_out, parts.attn_post)
     # Freed before the MLP, as in the host's own block: its peak is the MLP's hidden layer.
     del attn_out
@@ -146,6 +156,9 @@ class HostAdapter:
     # ``fixed_grid`` (it takes one image size only, so the grid is ``grid_size``).
     patch_projection: nn.Module | None = None
     fixed_grid: bool = False
+    # One input image ``(channels, rows, cols)`` at the configured size: GFLOPs budgets
+    # (``keep="0.5x"``) are solved by counting a forward on it.
+    example_shape: tuple[int, int, int] | None = None
 
     def error(self, msg: str) -> UnsupportedHostError:
         return UnsupportedHostError(f"token pooling cannot patch this model ({self.library}): {msg}")
@@ -192,7 +205,9 @@ class _PooledForward:
                     entry_assign = reducer.last_assign  # type: ignore[attr-defined]
             reduce_at = "attn"
         before = x.shape[1]
-        x, sizes = pooled_block_forward(self.parts, x, sizes, reducer, pooling.num_prefix, reduce_at, grid)
+        x, sizes = pooled_block_forward(
+            self.parts, x, sizes, reducer, pooling.num_prefix, reduce_at, grid, pooling.size_bias
+        )
         if entry_assign is not None:
             # The first block's reducer ran twice; its record maps each patch through both.
             reducer.last_assign = compose_assignments(entry_assign, reducer.last_assign)  # type: ignore[union-attr]
@@ -229,9 +244,56 @@ class _RecordGrid:
         return out
 
 
+class _ModelForward:
+    """The ``forward`` a patched model gets: the one it had (an instance ``forward`` another
+    library installed, else its class's), under a code object of this model's own.
+
+    torch.compile keeps the graphs it compiled per code object and allows
+    ``recompile_limit`` (8) of them before it gives up (a hard error with
+    ``fullgraph=True``). Every patched model of one host class would share the host's
+    ``forward`` code, so the ninth model patched with another method or budget counted as
+    a ninth recompile of the first. With a code object per patched model, each model's
+    graphs are its own: a budget changed at run time is one recompile of that model.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.previous = model.__dict__.get("forward")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+    def bound(self) -> MethodType:
+        """``__call__`` bound to this object, from a fresh copy of its code. A copied
+        function keeps the name ``__call__``, so pickle restores the class's own."""
+        call = _ModelForward.__call__
+        code = call.__code__.replace(co_name=call.__code__.co_name)
+        function = FunctionType(code, call.__globals__, call.__name__, call.__defaults__, call.__closure__)
+        function.__qualname__ = call.__qualname__
+        # inspect.signature(model.forward) then reads the host's own (Hugging Face models do).
+        function.__wrapped__ = type(self.model).forward  # type: ignore[attr-defined]
+        return MethodType(function, self)
+
+
+def _bound(override: object) -> object:
+    """``override``'s ``__call__`` as a bound method: torch.compile guards on the identity
+    of a callable object in a module's ``__dict__`` (each model's would differ, a recompile
+    per model), but on the function of a bound method, which every model shares."""
+    if isinstance(override, _ModelForward):
+        return override.bound()
+    return MethodType(type(override).__call__, override)
+
+
+def installed(value: object) -> object:
+    """The object behind an installed override (the bound method's ``self``)."""
+    return value.__self__ if isinstance(value, MethodType) else value
+
+
 def is_host_patched(adapter: HostAdapter) -> bool:
     return isinstance(getattr(adapter.owner, "token_pooling", None), TokenPooling) or any(
-        isinstance(b.__dict__.get("forward"), _PooledForward) for b in adapter.blocks
+        isinstance(installed(b.__dict__.get("forward")), _PooledForward) for b in adapter.blocks
     )
 
 
@@ -252,7 +314,7 @@ def _check_grid_source(adapter: HostAdapter) -> None:
             "this model takes other image sizes without one to read it from: give it a fixed "
             "image size, or use a method that does not need the grid"
         )
-    if projection is not None and isinstance(projection.__dict__.get("forward"), _RecordGrid):
+    if projection is not None and isinstance(installed(projection.__dict__.get("forward")), _RecordGrid):
         # Another patched model shares this projection: one of the two would read the
         # other's grids.
         raise adapter.error(
@@ -287,10 +349,12 @@ def patch_host(adapter: HostAdapter, pooling: TokenPooling) -> nn.Module:
     projection = adapter.patch_projection
     if projection is not None and reads_grids:
         overrides.append((projection, "forward", _RecordGrid(projection, pooling)))
+    overrides.append((owner, "forward", _ModelForward(owner)))
     pooling.overrides = [(module, name, module.__dict__.get(name)) for module, name, _ in overrides]
     for module, name, value in overrides:
-        module.__dict__[name] = value
+        module.__dict__[name] = _bound(value)
     owner.token_pooling = pooling
+    pooling.attach(owner, adapter.example_shape)
     return owner
 
 
@@ -319,6 +383,7 @@ def install_reducers(
     keep: KeepSchedule | None = None,
     carry: bool = False,
     options: dict[str, Any] | None = None,
+    size_bias: bool = True,
 ) -> nn.Module:
     """Patch ``host`` with one reducer (or None) per block; ``method``/``keep``/``carry``/
     ``options`` record how they were built (``method=None``: by hand, budget fixed)."""
@@ -351,6 +416,7 @@ def install_reducers(
         keep=keep,
         carry=carry,
         options=options,
+        size_bias=size_bias,
     )
     return patch_host(host, pooling)
 
@@ -367,11 +433,20 @@ def install(
     """Build ``method``'s reducers for ``host`` under ``keep`` and patch it (``reduce_at``
     None: the method's own place, else between attention and MLP)."""
     reduce_at = method_reduce_at(method, reduce_at)
+    spec = pooling_method(method)
     # Parsed here, once: the reducers and model.token_pooling.keep get the same schedule.
     keep = None if keep is None else parse_keep(keep)
+    gflops = keep is not None and keep.gflops is not None
+    # A GFLOPs fraction is solved on the patched model: it is patched first with a budget
+    # that places every reducer the method may use (so the checks below see them).
+    first = (
+        (KeepSchedule(remove=host.num_tokens // 2) if method == "tome" else KeepSchedule(ratio=0.25))
+        if gflops
+        else keep
+    )
     reducers = build_reducers(
         method=method,
-        keep=keep,
+        keep=first,
         depth=len(host.blocks),
         num_tokens=host.num_tokens,
         dim=host.dim,
@@ -379,6 +454,21 @@ def install(
         carry=carry,
         **options,
     )
-    return install_reducers(
-        host, reducers, reduce_at=reduce_at, method=method, keep=keep, carry=carry, options=options
+    model = install_reducers(
+        host,
+        reducers,
+        reduce_at=reduce_at,
+        method=method,
+        keep=keep,
+        carry=carry,
+        options=options,
+        size_bias=carry or not spec.sizes_always,
     )
+    if gflops:
+        pooling: TokenPooling = model.token_pooling  # type: ignore[assignment]
+        try:
+            pooling.set_budget(keep)  # type: ignore[arg-type]
+        except ValueError:
+            unpatch_host(host)
+            raise
+    return model

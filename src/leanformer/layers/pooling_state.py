@@ -1,10 +1,13 @@
 """``model.token_pooling``: the reducers a patch installs, and the budget, changeable at run time.
 
-``model.token_pooling.keep = 0.5`` (or a per-block list, a preset name, ``{"r": 16}``, any
-spelling :func:`leanformer.layers.budgets.parse_keep` reads) rebuilds the reducers for the
-new budget: the value is validated against the host's depth and token count first, so a
-bad budget raises and leaves the old one in place. Reading it gives the parsed
-:class:`~leanformer.layers.budgets.KeepSchedule`.
+``model.token_pooling.keep = 0.5`` (or a per-block list, a preset name, ``{"r": 16}``, a
+fraction of the GFLOPs ``"0.5x"``, any spelling :func:`leanformer.layers.budgets.parse_keep`
+reads) rebuilds the reducers for the new budget: the value is validated against the host's
+depth and token count first (a GFLOPs fraction is solved on the model), so a bad budget
+raises and leaves the old one in place. Reading it gives the parsed
+:class:`~leanformer.layers.budgets.KeepSchedule` as asked; :attr:`TokenPooling.schedule`
+gives the per-block budgets it was solved into. ``model.token_pooling.r = 8`` is ToMe's
+spelling of the same (``keep={"r": 8}``).
 """
 
 from __future__ import annotations
@@ -15,20 +18,29 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from leanformer.layers.budgets import KeepSchedule, parse_keep
+from leanformer.layers.budgets import KeepSchedule, parse_keep, parse_r
+from leanformer.layers.gflops_keep import solve_gflops
 from leanformer.layers.reducer import (
     REDUCE_POSITIONS,
     BudgetedReducer,
     Grid,
     ReducePosition,
     TokenReducer,
+    compose_assignments,
     count_after,
     entry_count,
     grid_after,
+    sees_prefix,
 )
-from leanformer.layers.token_pooling import build_reducers
+from leanformer.layers.token_pooling import NothingPlaced, build_reducers
+from leanformer.ops.flop_count import count_gflops
 
 __all__ = ["ReducePosition", "TokenPooling"]
+
+# Images a GFLOPs fraction is solved on. A batched K-Means or K-Medoids runs until its last
+# image converges, so its cost per image depends on the batch: on one image it stopped
+# early where batches of a few rarely did, and the solved budget missed them by 3%.
+SOLVE_IMAGES = 4
 
 
 class TokenPooling(nn.Module):
@@ -52,6 +64,8 @@ class TokenPooling(nn.Module):
         keep: KeepSchedule | None = None,
         carry: bool = False,
         options: dict[str, Any] | None = None,
+        size_bias: bool = True,
+        schedule: KeepSchedule | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(carry, bool):  # "no" would be truthy: sizes tracked after all
@@ -67,7 +81,17 @@ class TokenPooling(nn.Module):
         self.method = method
         self.carry = carry
         self.options = dict(options or {})
+        # Whether attention adds log(size) to the logits of pooled keys (tome with
+        # carry=False tracks sizes for its averages, without ToMe's proportional attention).
+        self.size_bias = size_bias
         self._keep = keep
+        self._schedule = schedule if schedule is not None else keep
+        self._trace_source = False
+        # The model this pools and one input image's shape, set by the patch: a GFLOPs
+        # budget is solved by counting the model's forward. A plain attribute, not a
+        # submodule (the model holds this module), so a deep copy maps it to the copy.
+        self.__dict__["_owner"] = None
+        self.example_shape: tuple[int, int, int] | None = None
         self.reducers = self._as_module_dict(reducers)
         # The sizes live in a dict entry, not an attribute: torch.compile (2.14) loses an
         # attribute stored before a later torch.cond, which the clusterings use compiled
@@ -87,6 +111,14 @@ class TokenPooling(nn.Module):
         # Models pickled before the grids were tracked: no grid state, and overrides
         # recorded without what they replaced (nothing but the class's then).
         super().__setstate__(state)
+        for name, default in (
+            ("size_bias", True),
+            ("_trace_source", False),
+            ("_owner", None),
+            ("example_shape", None),
+            ("_schedule", self.__dict__.get("_keep")),
+        ):
+            self.__dict__.setdefault(name, default)
         self.__dict__.setdefault("_grids", {"embedded": None, "handed": None})
         self._carried.setdefault("handed", None)
         self.overrides = [o if len(o) == 3 else (o[0], o[1], None) for o in self.overrides]
@@ -158,7 +190,7 @@ class TokenPooling(nn.Module):
 
     @property
     def keep(self) -> KeepSchedule | None:
-        """The budget the reducers were built for (None: installed by hand or ``conv`` by layers)."""
+        """The budget asked for (None: installed by hand or ``conv`` by layers)."""
         return self._keep
 
     @keep.setter
@@ -169,9 +201,40 @@ class TokenPooling(nn.Module):
             )
         if self.method == "conv":
             raise ValueError("conv layers are learned: re-patch to place them for another budget")
-        schedule = parse_keep(value)
-        reducers = build_reducers(  # raises on a bad budget before anything changes
-            method=self.method,
+        self.set_budget(parse_keep(value))
+
+    @property
+    def schedule(self) -> KeepSchedule | None:
+        """The per-block budgets the reducers were built for: :attr:`keep`, or what a GFLOPs
+        fraction was solved into (ToMe's r for ``tome``, per-block keep ratios otherwise)."""
+        return self._schedule
+
+    @property
+    def r(self) -> int | list[int] | tuple[int, float] | None:
+        """ToMe's ``r`` of the budget (an int, a list per block or ``(r, inflection)``), or
+        None for a budget of another form. Setting it is ``keep = {"r": value}``."""
+        schedule = self._schedule
+        if schedule is None or schedule.remove is None:
+            return None
+        if isinstance(schedule.remove, tuple):
+            return list(schedule.remove)
+        return schedule.remove if schedule.inflection == 0.0 else (schedule.remove, schedule.inflection)
+
+    @r.setter
+    def r(self, value: Any) -> None:
+        self.keep = parse_r(value)
+
+    def set_budget(self, schedule: KeepSchedule) -> None:
+        """Rebuild the reducers for ``schedule`` (a GFLOPs fraction is solved first); the
+        ``keep`` setter without its refusal of learned layers (a patch places conv's)."""
+        assert self.method is not None
+        solved = self.solve(schedule) if schedule.gflops is not None else schedule
+        self.reducers = self._built(solved)  # raises on a bad budget before anything changes
+        self._keep, self._schedule = schedule, solved
+
+    def _built(self, schedule: KeepSchedule) -> nn.ModuleDict:
+        reducers = build_reducers(
+            method=self.method,  # type: ignore[arg-type]
             keep=schedule,
             depth=self.depth,
             num_tokens=self.num_tokens,
@@ -182,8 +245,87 @@ class TokenPooling(nn.Module):
         )
         fresh = self._as_module_dict(reducers).to(self.get_buffer("_device_anchor").device)
         fresh.train(self.training)
-        self.reducers = fresh
-        self._keep = schedule
+        for reducer in fresh.values():
+            setattr(reducer, "record", self._trace_source)  # noqa: B010 (an nn.Module attribute mypy cannot type)
+        return fresh
+
+    def attach(self, owner: nn.Module, example_shape: tuple[int, int, int] | None) -> None:
+        """Record the model this pools and one input image's ``(channels, rows, cols)``."""
+        self.__dict__["_owner"] = owner
+        self.example_shape = example_shape
+
+    def solve(self, schedule: KeepSchedule) -> KeepSchedule:
+        """The per-block budgets with which this model spends ``schedule.gflops`` of its
+        unpooled GFLOPs (:func:`leanformer.layers.gflops_keep.solve_gflops`), counted on
+        ``SOLVE_IMAGES`` seeded random images at the configured size. Leaves the reducers as
+        they were."""
+        owner, shape = self.__dict__.get("_owner"), self.example_shape
+        if owner is None or shape is None:
+            raise ValueError(
+                f"keep={schedule}: a GFLOPs fraction is solved on the model's forward at its "
+                "configured image size, which this model does not say (give per-block budgets)"
+            )
+        anchor = self.get_buffer("_device_anchor")
+        reference = next((p for p in owner.parameters() if p.is_floating_point()), anchor)
+        example = torch.randn((SOLVE_IMAGES, *shape), generator=torch.Generator().manual_seed(0))
+        example = example.to(device=anchor.device, dtype=reference.dtype)
+        saved = self.reducers
+        try:
+            self.reducers = nn.ModuleDict()
+            unpooled = count_gflops(owner, (example,))
+
+            def cost(candidate: KeepSchedule) -> float:
+                try:
+                    self.reducers = self._built(candidate)
+                except NothingPlaced:  # no reducer at all: the unpooled model
+                    return 1.0
+                return count_gflops(owner, (example,)) / unpooled
+
+            solved = solve_gflops(
+                schedule, method=self.method or "", depth=self.depth, num_tokens=self.num_tokens, cost=cost
+            )
+        finally:
+            self.reducers = saved
+        return solved.schedule
+
+    @property
+    def trace_source(self) -> bool:
+        """Whether the reducers record where each token went, for :attr:`source` (ToMe's
+        ``trace_source``)."""
+        return self._trace_source
+
+    @trace_source.setter
+    def trace_source(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"trace_source must be True or False, got {value!r}")
+        self._trace_source = value
+        for reducer in self.reducers.values():
+            setattr(reducer, "record", value)  # noqa: B010 (an nn.Module attribute mypy cannot type)
+
+    @property
+    def source(self) -> Tensor | None:
+        """ToMe's source map of the latest forward: ``[B, N', N]``, 1 where output token i
+        (prefix tokens included, in the model's order) stands for input token j. Needs
+        ``trace_source = True`` before that forward; None when no block reduced."""
+        if not self._trace_source:
+            raise ValueError(
+                "set model.token_pooling.trace_source = True before the forward to trace sources"
+            )
+        assign: Tensor | None = None
+        for i in range(self.depth):
+            reducer = self.reducer(i)
+            step = None if reducer is None else getattr(reducer, "last_assign", None)
+            if step is None:
+                continue
+            if not sees_prefix(reducer):
+                prefix = torch.arange(self.num_prefix, device=step.device).expand(step.shape[0], -1)
+                step = torch.cat([prefix, torch.where(step >= 0, step + self.num_prefix, step)], dim=1)
+            assign = step if assign is None else compose_assignments(assign, step)
+        if assign is None:
+            return None
+        outputs = int(assign.max()) + 1
+        one_hot = torch.nn.functional.one_hot(assign.clamp(min=0), outputs) * (assign >= 0)[..., None]
+        return one_hot.transpose(1, 2).float()
 
     @property
     def config(self) -> dict[str, Any]:
@@ -197,3 +339,18 @@ class TokenPooling(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+
+
+def resolve_gflops_budget(model: nn.Module) -> None:
+    """Solve ``model``'s GFLOPs budget (``keep="0.5x"``) again, on the weights it has now.
+
+    A model built with one is solved on its initial weights; a clustering stops at its
+    fixed point, so its cost can move once trained weights are loaded. Learned layers
+    (``conv``) keep their placement: moving them would drop their weights.
+    """
+    pooling = getattr(model, "token_pooling", None)
+    if not isinstance(pooling, TokenPooling) or pooling.method in (None, "conv"):
+        return
+    keep = pooling.keep
+    if keep is not None and keep.gflops is not None:
+        pooling.set_budget(keep)

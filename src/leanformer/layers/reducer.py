@@ -118,6 +118,12 @@ def reads_grid(reducer: object) -> bool:
     return bool(getattr(reducer, "reads_grid", False))
 
 
+def sees_prefix(reducer: object) -> bool:
+    """Whether ``reducer`` takes the whole token sequence, prefix tokens included
+    (``num_prefix=``): ToMe's alternate split counts the class token as a token of set A."""
+    return bool(getattr(reducer, "sees_prefix", False))
+
+
 def count_after(reducer: BudgetedReducer, n: int, grid: Grid | None) -> int:
     """Tokens ``reducer`` keeps of ``n`` on ``grid`` (a grid reader's count depends on the raster)."""
     if grid is not None and reads_grid(reducer):
@@ -148,7 +154,11 @@ def reduce_tokens(
 ) -> tuple[Tensor, Tensor | None]:
     """Apply ``reducer`` to ``x[:, num_prefix:]`` and keep the prefix tokens untouched.
     ``count``: the tokens it keeps in place of its own budget (a :class:`BudgetedReducer`).
-    ``grid``: the patch tokens' raster, passed on to a reducer that reads it (:func:`reads_grid`)."""
+    ``grid``: the patch tokens' raster, passed on to a reducer that reads it (:func:`reads_grid`).
+    A reducer that :func:`sees_prefix` (ToMe's) gets the whole sequence and ``num_prefix=``,
+    and keeps the prefix tokens in front itself."""
+    if sees_prefix(reducer):
+        return cast(Any, reducer)(x, sizes, received, count, grid, num_prefix=num_prefix)
     prefix, tokens = x[:, :num_prefix], x[:, num_prefix:]
     tok_sizes = None if sizes is None else sizes[:, num_prefix:]
     tok_received = None if received is None else received[:, num_prefix:]

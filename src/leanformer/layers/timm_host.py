@@ -59,7 +59,11 @@ class _Attention:
     def __init__(self, attn: Any) -> None:
         self.attn = attn
 
-    def __call__(self, x: Tensor, sizes: Tensor | None, need_received: bool) -> tuple[Tensor, Tensor | None]:
+    def __call__(
+        self, x: Tensor, sizes: Tensor | None, need_received: bool, need_keys: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """``need_keys``: return the keys averaged over heads ``[B, N, D]`` (ToMe's
+        similarity) in place of the attention received."""
         attn = self.attn
         B, N, _ = x.shape
         heads, head_dim = attn.num_heads, attn.head_dim
@@ -79,6 +83,8 @@ class _Attention:
         out = attn.norm(out.transpose(1, 2).reshape(B, N, heads * head_dim))
         if gate is not None:
             out = out * gate
+        if need_keys:
+            received = k.mean(dim=1)  # the keys the attention used, q/k norm included
         return attn.proj_drop(attn.proj(out)), received
 
 
@@ -206,4 +212,13 @@ def adapt(model: nn.Module) -> HostAdapter:
         # embedding's backbone, whose first conv is no patch grid).
         patch_projection=single_conv(getattr(model.patch_embed, "proj", None)),
         fixed_grid=_takes_one_image_size(model.patch_embed),
+        example_shape=_example_shape(model),
     )
+
+
+def _example_shape(model: VisionTransformer) -> tuple[int, int, int] | None:
+    embed: Any = model.patch_embed
+    size, projection = getattr(embed, "img_size", None), single_conv(getattr(embed, "proj", None))
+    if size is None or not isinstance(projection, nn.Conv2d):
+        return None
+    return int(projection.in_channels), int(size[0]), int(size[1])

@@ -16,7 +16,10 @@ Methods (``method=`` of :func:`build_reducers`, ``pool=`` of the DeiT models):
 ``random``      keep K tokens drawn uniformly without replacement
 ``importance``  draw K tokens without replacement, probability proportional to the score
 ``conv``        learned 2x2 stride-2 convolution on the token grid (appendix D)
-``merge``       ToMe-style bipartite soft matching (size-weighted merges)
+``tome``        ToMe exactly as published: bipartite soft matching on the attention keys,
+                class/prefix tokens protected, ``r`` per block (:mod:`leanformer.layers.tome`)
+``merge``       ToMe-like bipartite soft matching on the block's output tokens, down to a
+                count or ratio (size-weighted merges)
 ``stepmerge``   bipartite merging in rounds of at most a quarter of the tokens
 ``inputmerge``  ``merge`` at each block's input, before its attention (the first block's too)
 ``entrymerge``  ``merge``, and one more merge of the embedded patches before the first block
@@ -46,6 +49,7 @@ from torch import Tensor, nn
 from leanformer.layers.budgets import Budget, KeepLike, budget_to_count, parse_keep
 from leanformer.layers.checks import as_int
 from leanformer.layers.reducer import OFF_GRID, REDUCE_POSITION_WORDS, Grid, ReducePosition, halved_grid
+from leanformer.layers.tome import build_tome
 from leanformer.ops.clustering import (
     InitMode,
     cluster_mean,
@@ -404,6 +408,11 @@ class ConvDownsample(_Reducer):
 # --------------------------------------------------------------------------- registry
 
 
+class NothingPlaced(ValueError):
+    """A budget that asks for fewer tokens, with which a method would place no reducer at all
+    (conv, where no block keeps half of its tokens or fewer): the model would stay unpooled."""
+
+
 @dataclass(frozen=True)
 class PoolingMethod:
     """A registry entry: how to build the reducers of a method for a budget.
@@ -422,6 +431,9 @@ class PoolingMethod:
     # Where the method's reducers sit when the method decides it (None: the caller's
     # ``reduce_at``, by default between attention and MLP).
     reduce_at: ReducePosition | None = None
+    # Whether the method tracks token sizes whatever ``carry`` says (ToMe's merges are
+    # size-weighted averages); ``carry`` then only decides the attention's log(size) bias.
+    sizes_always: bool = False
 
     def __post_init__(self) -> None:
         if (self.make is None) == (self.build is None):
@@ -477,6 +489,14 @@ def _build_conv(
                 chosen.append(i)
                 gh, gw = halved_grid(gh, gw)
                 n = gh * gw
+        if not chosen and any(budget_to_count(b, h * w) < h * w for b in budgets):
+            # Placing none would silently leave the model unpooled.
+            raise NothingPlaced(
+                f"conv cannot keep keep={parse_keep(keep)} of the tokens: each conv layer keeps a "
+                "quarter of them (2x2 windows) and sits only where a block keeps half or fewer, so the "
+                "nearest budgets it reaches keep 1.0 (no layer) or 0.25 at a block: give keep=0.5 or "
+                "lower, layers=[...], or a GFLOPs fraction such as 0.6x"
+            )
         layers = chosen
     else:
         if isinstance(layers, int | str):
@@ -512,7 +532,15 @@ METHODS: dict[str, PoolingMethod] = {
         PoolingMethod(
             "importance", "K tokens sampled in proportion to significance", _select("importance"), ("seed",)
         ),
-        PoolingMethod("merge", "ToMe bipartite soft matching", _merge(0.5)),
+        PoolingMethod(
+            "tome",
+            "ToMe exactly: bipartite soft matching on the attention keys, r tokens per block",
+            None,
+            build=build_tome,
+            reduce_at="attn",
+            sizes_always=True,
+        ),
+        PoolingMethod("merge", "ToMe-like bipartite soft matching on the tokens", _merge(0.5)),
         PoolingMethod(
             "stepmerge", "bipartite merging in rounds of at most a quarter of the tokens", _merge(0.25)
         ),

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 import leanformer.models as pkg
+from leanformer.layers.pooling_state import resolve_gflops_budget
 from leanformer.memory_budget import check_model_budget
 from leanformer.models.pretrained import load_pretrained, model_card
 
@@ -170,6 +171,7 @@ def create_model(name: str, *, pretrained: bool = False, **overrides: Any) -> nn
     model.leanformer_name = name  # type: ignore[assignment]
     if pretrained:
         load_pretrained(model, name)
+        resolve_gflops_budget(model)  # a GFLOPs fraction, solved again on these weights
     return model
 
 

@@ -34,7 +34,7 @@ _kernel = load("_kmedoids_cpu")
 
 @torch.library.custom_op("leanformer::medoid_distance_work", mutates_args=())
 def distance_work(xc: Tensor, distances: int) -> None:
-    """Does nothing: a FLOP counter (:mod:`leanformer.bench.flops`) counts ``distances``
+    """Does nothing: a FLOP counter (:mod:`leanformer.ops.flop_count`) counts ``distances``
     squared distances between tokens of ``xc [B, N, C]``, ``C`` multiply-adds each, which
     the kernel computed where the counter cannot see them."""
 

@@ -14,7 +14,7 @@ from typing import Any
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from leanformer.layers.budgets import KeepLike
+from leanformer.layers.budgets import KEEP_HELP, KeepLike, parse_r
 from leanformer.layers.host_adapter import HostAdapter, UnsupportedHostError, install, unpatch_host
 from leanformer.layers.pooling_state import TokenPooling
 from leanformer.layers.reducer import ReducePosition
@@ -50,10 +50,11 @@ def adapt(model: nn.Module) -> HostAdapter:
 def apply_token_pooling(
     model: nn.Module,
     *,
-    keep: KeepLike,
+    keep: KeepLike | None = None,
     method: str = "wkmedoids",
     carry: bool = True,
     reduce_at: ReducePosition | None = None,
+    r: int | list[int] | tuple[int, float] | None = None,
     **options: Any,
 ) -> nn.Module:
     """Insert a token reduction into a timm or Hugging Face vision transformer, in place.
@@ -61,9 +62,12 @@ def apply_token_pooling(
     ``keep``: per-block budgets (an int is a token count, a float a keep ratio in (0, 1]),
     one keep ratio for every block (a float: ``1.0`` keeps all, a bare int is refused), a
     named schedule (e.g. ``"deit_s_level3"``), ToMe's ``{"r": 16}`` (remove 16 tokens per
-    block) or a :class:`leanformer.layers.budgets.KeepSchedule`: anything
+    block), a fraction of the unpooled model's GFLOPs (``"0.5x"``, solved for the method
+    on this model) or a :class:`leanformer.layers.budgets.KeepSchedule`: anything
     :func:`leanformer.layers.budgets.parse_keep` reads; change it later with
-    ``model.token_pooling.keep = ...``. ``method``: any name of
+    ``model.token_pooling.keep = ...``. ``r``: ToMe's spelling instead of ``keep`` (an
+    int, one per block, or ToMe's ``(r, inflection)`` schedule), as in
+    ``apply_token_pooling(model, method="tome", r=16)``. ``method``: any name of
     :func:`leanformer.layers.token_pooling.list_methods`. ``carry``: track token sizes
     and weigh keys (and an average or attention pool) by them. ``reduce_at``: where each
     block reduces, ``"attn"`` (between attention and MLP, the default), ``"mlp"`` (after
@@ -73,6 +77,12 @@ def apply_token_pooling(
     reduces at ``"input"`` and ``entrymerge`` at ``"entry"``. Prefix tokens (class,
     distillation, registers) are never pooled. Returns the model.
     """
+    if r is not None:
+        if keep is not None:
+            raise ValueError("give keep= or ToMe's r=, not both")
+        keep = parse_r(r)
+    elif keep is None:
+        raise ValueError(f"apply_token_pooling needs keep= ({KEEP_HELP}) or ToMe's r=")
     return install(adapt(model), keep=keep, method=method, carry=carry, reduce_at=reduce_at, **options)
 
 

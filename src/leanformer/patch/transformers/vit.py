@@ -110,7 +110,11 @@ class _Attention:
         # A submodule of attn: a deep copy maps it to the copy's, as it maps attn.
         self.out_proj = attn.o_proj if hasattr(attn, "o_proj") else attn.out_proj
 
-    def __call__(self, x: Tensor, sizes: Tensor | None, need_received: bool) -> tuple[Tensor, Tensor | None]:
+    def __call__(
+        self, x: Tensor, sizes: Tensor | None, need_received: bool, need_keys: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """``need_keys``: return the keys averaged over heads ``[B, N, D]`` (ToMe's
+        similarity) in place of the attention received."""
         attn, heads, head_dim, out_proj = self.attn, self.heads, self.head_dim, self.out_proj
         B, N, _ = x.shape
         q, k, v = (
@@ -126,6 +130,8 @@ class _Attention:
             return_received=need_received,
             scale=self.scale,
         )
+        if need_keys:
+            received = k.mean(dim=1)
         return out_proj(out.transpose(1, 2).reshape(B, N, heads * head_dim)), received
 
 
@@ -239,6 +245,7 @@ def adapt(model: nn.Module) -> HostAdapter:
         check_call=_CallCheck(config),
         pool_overrides=_pool_overrides(base),
         patch_projection=single_conv(getattr(base, "embeddings", None)),  # the patch conv
+        example_shape=(int(getattr(config, "num_channels", 3)), *_pair(config.image_size)),
     )
 
 
