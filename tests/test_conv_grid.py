@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 import leanformer
 from leanformer.apps.cluster_maps import patch_assignment, trace_token_sources
-from leanformer.layers.host_adapter import UnsupportedHostError, pooled_block_forward
+from leanformer.layers.host_adapter import UnsupportedHostError, installed, pooled_block_forward
 from leanformer.layers.timm_host import block_parts
 from leanformer.layers.token_pooling import ConvDownsample, TokenSelection
 from leanformer.patch.timm import apply_reducers
@@ -218,7 +218,7 @@ def test_models_sharing_a_patch_projection_cannot_both_read_grids_from_it() -> N
     assert not leanformer.is_patched(second)
     # Methods that do not read the grid leave the projection alone, so sharing it is fine.
     leanformer.apply_token_pooling(second, keep=0.5, method="merge")
-    assert second.patch_embed.proj.__dict__["forward"].pooling is first.token_pooling
+    assert installed(second.patch_embed.proj.__dict__["forward"]).pooling is first.token_pooling
 
 
 def test_a_forward_installed_on_the_projection_runs_and_comes_back() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from leanformer.layers.budgets import KEEP_HELP, KeepLike, parse_r
+from leanformer.layers.budgets import KeepLike, parse_r
 from leanformer.layers.host_adapter import HostAdapter, UnsupportedHostError, install, unpatch_host
 from leanformer.layers.pooling_state import TokenPooling
 from leanformer.layers.reducer import ReducePosition
@@ -81,8 +81,6 @@ def apply_token_pooling(
         if keep is not None:
             raise ValueError("give keep= or ToMe's r=, not both")
         keep = parse_r(r)
-    elif keep is None:
-        raise ValueError(f"apply_token_pooling needs keep= ({KEEP_HELP}) or ToMe's r=")
     return install(adapt(model), keep=keep, method=method, carry=carry, reduce_at=reduce_at, **options)
 
 
