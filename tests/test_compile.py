@@ -175,6 +175,8 @@ def test_dynamic_query_selection_cannot_be_one_graph_but_compiles_with_breaks() 
 
 
 @pytest.mark.slow
+# Dynamo's default limit, whatever another test of this process raised it to.
+@torch._dynamo.config.patch(recompile_limit=8)
 def test_twenty_patched_models_compile_in_one_process_and_a_new_budget_recompiles_once() -> None:
     """Patched models of one host class share its forward code; torch.compile allows 8
     graphs per code object (``recompile_limit``), so a ninth (method, budget) once failed
@@ -192,7 +194,7 @@ def test_twenty_patched_models_compile_in_one_process_and_a_new_budget_recompile
         for keep in (0.9, 0.8, 0.7, 0.6, 0.5):
             model = apply_token_pooling(_peaked(tiny_vit()), keep=keep, method=method)
             compiled.append((model, torch.compile(model, fullgraph=True, backend=counter)))
-    assert torch._dynamo.config.recompile_limit == 8  # not raised to let this pass
+    assert torch._dynamo.config.recompile_limit == 8  # the default, not raised to let this pass
     with torch.no_grad():
         for model, fast in compiled:
             torch.testing.assert_close(fast(x), model(x), rtol=0, atol=1e-4)

@@ -397,7 +397,7 @@ def test_an_unreachable_gflops_target_leaves_the_sweep_folder_as_it_was(
         err = _one_line_error(
             ["tradeoff", "--config", str(sweep), "--out", str(out), "--overwrite", *budgets], capsys
         )
-        assert "merge at budget g0.01: out of reach" in err
+        assert "merge at 0.01x: out of reach" in err
         assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     # With a base model still to train, the untrained one answers first: nothing is trained.
     trained = tmp_path / "trained.yaml"
