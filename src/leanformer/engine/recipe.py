@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 from timm.data import Mixup
-from timm.optim import create_optimizer_v2, get_optimizer_class, list_optimizers, param_groups_weight_decay
+from timm.optim import (
+    create_optimizer_v2,
+    get_optimizer_class,
+    list_optimizers,
+    param_groups_layer_decay,
+    param_groups_weight_decay,
+)
 from timm.scheduler import create_scheduler_v2
 from timm.utils import ModelEmaV3
 from torch import Tensor, nn
@@ -73,26 +79,27 @@ def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimiz
     if "betas" in inspect.signature(get_optimizer_class(optim.opt, bind_defaults=False)).parameters:
         kwargs["betas"] = (optim.beta1, optim.beta2)
     skip = set(NO_WEIGHT_DECAY) | set(getattr(model, "no_weight_decay", set)())
-    group_fn: Callable[[nn.Module], Any] | None = None
-    if optim.layer_decay is not None:
-        if not hasattr(model, "group_matcher"):
-            raise ValueError(
-                f"optim.layer_decay needs a model that names its layers (timm's group_matcher); "
-                f"{type(model).__name__} does not"
-            )
-        if not hasattr(model, "no_weight_decay"):  # timm's layer-wise grouping reads the model's own list
-            model.no_weight_decay = lambda: skip  # type: ignore[assignment]
-    else:
+    layer_decay = optim.layer_decay
+    if layer_decay is not None and not hasattr(model, "group_matcher"):
+        raise ValueError(
+            f"optim.layer_decay needs a model that names its layers (timm's group_matcher); "
+            f"{type(model).__name__} does not"
+        )
 
-        def group_fn(m: nn.Module) -> Any:
+    # Our own grouping, handed to timm's factory, so both forms skip the same parameters and
+    # the model is never given a no_weight_decay() of ours.
+    def group_fn(m: nn.Module) -> Any:
+        if layer_decay is None:
             return param_groups_weight_decay(m, optim.weight_decay, no_weight_decay_list=skip)
+        return param_groups_layer_decay(
+            m, weight_decay=optim.weight_decay, layer_decay=layer_decay, no_weight_decay_list=skip
+        )
 
     return create_optimizer_v2(
         model,
         opt=optim.opt,
         lr=optim.lr,
         weight_decay=optim.weight_decay,
-        layer_decay=optim.layer_decay,
         param_group_fn=group_fn,
         **kwargs,
     )
