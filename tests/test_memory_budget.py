@@ -79,3 +79,57 @@ def test_an_image_too_large_is_refused_before_it_is_decoded(tmp_path: Path, caps
     err = _one_line(["visualize", "enact", "--input", str(big), "--out", str(out)], capsys)
     assert "is 9000x9000 = 81 Mpx" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.png"]
+
+
+def test_a_training_batch_too_large_is_refused_before_the_run_folder(tmp_path: Path, capsys: Capture) -> None:
+    """Measured on one example: a training batch keeps its activations, an evaluation
+    batch does not; either too large for the machine is refused, nothing written."""
+    from leanformer.memory_budget import check_batch_fits
+
+    seen: list[int] = []
+    check_batch_fits(lambda: seen.append(1), input_bytes=10**9, batch_size=256, what="b")
+    assert seen == []  # normal batches are not measured
+    with pytest.raises(ValueError, match=r"^b 257 \(1000\.00 MB per example\) would need about 257\.0 GB"):
+        check_batch_fits(
+            lambda: seen.append(1), input_bytes=10**9, batch_size=257, what="b", available=lambda: 10**10
+        )
+    assert seen == [1]
+    out = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text("model: deit_digits\ndata:\n  name: digits\n  eval_batch_size: 1000000000\n")
+    err = _one_line(["train", "--config", str(config), "--out", str(out)], capsys)
+    assert (
+        err.startswith("leanformer: error: data.eval_batch_size 1000000000 (") and "would need about" in err
+    )
+    assert not out.exists()
+
+
+def test_an_image_folder_refuses_a_huge_image_before_decoding_it(tmp_path: Path, capsys: Capture) -> None:
+    from PIL import Image
+
+    root = tmp_path / "images"
+    (root / "cat").mkdir(parents=True)
+    (root / "dog").mkdir()
+    Image.new("RGB", (20, 20)).save(root / "dog" / "small.png")
+    Image.new("1", (9000, 9000)).save(root / "cat" / "big.png")
+    (root / "dog" / "broken.png").write_bytes(b"not an image")
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "--model",
+        "deit_test",
+        "--data",
+        "imagefolder",
+        "--data-root",
+        str(root),
+        "--out",
+        str(out),
+    ]
+    err = _one_line([*argv, "--img-size", "16", "--batch-size", "2"], capsys)
+    assert f"image {root / 'cat' / 'big.png'} is 9000x9000 = 81 Mpx" in err
+    assert not out.exists()
+    from leanformer.data.imagefolder import load_rgb
+
+    with pytest.raises(ValueError, match=r"broken\.png cannot be read"):
+        load_rgb(str(root / "dog" / "broken.png"))
+    assert load_rgb(str(root / "dog" / "small.png")).size == (20, 20)

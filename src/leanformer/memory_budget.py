@@ -53,6 +53,36 @@ def check_fits(estimate: float, what: str, *, available: Callable[[], int | None
         )
 
 
+# A batch up to this size is never estimated (the estimate runs one example's forward pass,
+# and every normal configuration is under it).
+ESTIMATE_ABOVE_BATCH = 256
+
+
+def check_batch_fits(
+    run_one_example: Callable[[], Any],
+    *,
+    input_bytes: int,
+    batch_size: int,
+    what: str,
+    device: str | torch.device = "cpu",
+    available: Callable[[], int | None] = available_bytes,
+) -> None:
+    """Refuse a batch of ``batch_size`` whose inputs and activations would not fit: one
+    example's input bytes plus the memory ``run_one_example`` adds at its peak (measured),
+    times the batch. Batches up to :data:`ESTIMATE_ABOVE_BATCH` are not measured."""
+    if batch_size <= ESTIMATE_ABOVE_BATCH:
+        return
+    from leanformer.bench.memory import peak_memory_mb
+
+    activation_mb = peak_memory_mb(run_one_example, device=device) or 0.0
+    per_example = input_bytes + activation_mb * 1e6
+    check_fits(
+        per_example * batch_size,
+        f"{what} {batch_size} ({per_example / 1e6:.2f} MB per example)",
+        available=available,
+    )
+
+
 def check_image_pixels(width: int, height: int, what: str) -> None:
     """Refuse an image larger than :data:`MAX_IMAGE_PIXELS` before it is decoded."""
     if width * height > MAX_IMAGE_PIXELS:

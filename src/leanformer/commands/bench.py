@@ -221,31 +221,26 @@ def _run_host(args: argparse.Namespace) -> list[dict]:
     return [row]
 
 
-# A batch up to this size is never estimated (the estimate runs one example's forward pass).
-_ESTIMATE_ABOVE_BATCH = 256
-
-
 def check_batch_budget(model: Any, args: argparse.Namespace) -> None:
-    """Refuse a batch whose inputs and activations would not fit in memory: one example's
-    inputs and the memory its forward pass adds (measured on one example), times the batch."""
-    if args.batch_size <= _ESTIMATE_ABOVE_BATCH:
-        return
-    from leanformer.bench.memory import peak_memory_mb
+    """Refuse a batch whose inputs and activations would not fit in memory (one example's
+    inputs and forward pass, measured, times the batch)."""
     from leanformer.bench.report import example_inputs
-    from leanformer.memory_budget import check_fits
+    from leanformer.memory_budget import ESTIMATE_ABOVE_BATCH, check_batch_fits
 
+    if args.batch_size <= ESTIMATE_ABOVE_BATCH:
+        return
     one = example_inputs(model, 1, img_size=args.img_size, feature_size=args.feature_size, device=args.device)
-    input_bytes = sum(x.numel() * x.element_size() for x in one if isinstance(x, torch.Tensor))
 
     def forward() -> None:
         with torch.inference_mode():
             model(*one)
 
-    activation_mb = peak_memory_mb(forward, device=args.device) or 0.0
-    per_example = input_bytes + activation_mb * 1e6
-    check_fits(
-        per_example * args.batch_size,
-        f"--batch-size {args.batch_size} ({per_example / 1e6:.2f} MB per example)",
+    check_batch_fits(
+        forward,
+        input_bytes=sum(x.numel() * x.element_size() for x in one if isinstance(x, torch.Tensor)),
+        batch_size=args.batch_size,
+        what="--batch-size",
+        device=args.device,
     )
 
 

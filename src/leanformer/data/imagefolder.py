@@ -9,9 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from PIL import Image, UnidentifiedImageError
 from torchvision import datasets, transforms
 
 from leanformer.data.registry import DatasetInfo, register_dataset
+from leanformer.memory_budget import check_image_pixels
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 MEAN = (0.485, 0.456, 0.406)  # ImageNet statistics, as timm's DeiT expects
@@ -20,6 +22,19 @@ STD = (0.229, 0.224, 0.225)
 
 def _is_image(path: str) -> bool:
     return Path(path).suffix.lower() in IMAGE_SUFFIXES
+
+
+def load_rgb(path: str) -> Image.Image:
+    """The image at ``path`` as RGB. Its size is read from the header and refused above the
+    pixel limit before the pixels are decoded; an unreadable file is named."""
+    try:
+        with Image.open(path) as img:
+            check_image_pixels(*img.size, f"image {path}")
+            return img.convert("RGB")
+    except Image.DecompressionBombError:  # PIL's own cap, far above ours, hit at the header
+        raise ValueError(f"image {path} is larger than the pixel limit; resize it first") from None
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"image {path} cannot be read: {exc}") from None
 
 
 class ImageFolderDataset(datasets.ImageFolder):
@@ -41,6 +56,7 @@ class ImageFolderDataset(datasets.ImageFolder):
             str(folder),
             transform=pipeline,
             target_transform=torch.tensor,
+            loader=load_rgb,
             is_valid_file=_is_image,
             allow_empty=True,
         )

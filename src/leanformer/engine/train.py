@@ -263,12 +263,19 @@ def _write_config(out_dir: Path, cfg: RunConfig, model_options: dict[str, Any]) 
 
 
 def _check_forward(
-    model: nn.Module, loss_fn: _LossFn, dataset: Any, device: torch.device, *, num_classes: int
+    model: nn.Module,
+    loss_fn: _LossFn,
+    dataset: Any,
+    device: torch.device,
+    *,
+    num_classes: int,
+    batch_sizes: tuple[int, int],
 ) -> None:
     """One forward pass and loss on one training example, before anything is written: a
-    model that does not fit the data (an image size the patch size does not divide, fewer
-    outputs than the data has classes) or a teacher that does not fit the student fails
-    here, not after the run folder exists. The RNG is restored, so training is unchanged."""
+        model that does not fit the data (an image size the patch size does not divide, fewer
+        outputs than the data has classes) or a teacher that does not fit the student fails
+        here, not after the run folder exists, and so does a batch the machine's memory cannot
+    hold. The RNG is restored, so training is unchanged."""
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         inputs, target = default_collate([dataset[0]])
         inputs, target = to_device(inputs, device), target.to(device)
@@ -285,6 +292,51 @@ def _check_forward(
                 "classes (is num_classes set in the model options?)"
             )
         loss_fn(logits, target, inputs)
+    _check_batch_memory(model, loss_fn, inputs, target, batch_sizes=batch_sizes)
+
+
+def _check_batch_memory(
+    model: nn.Module, loss_fn: _LossFn, inputs: Any, target: Tensor, *, batch_sizes: tuple[int, int]
+) -> None:
+    """Refuse a training or evaluation batch too large for the machine, measured on one
+    example: a training example keeps its activations for the backward pass, an
+    evaluation example only the largest of them."""
+    from leanformer.memory_budget import check_batch_fits
+
+    train_batch, eval_batch = batch_sizes
+    leaves = torch.utils._pytree.tree_leaves(inputs)
+    input_bytes = sum(x.numel() * x.element_size() for x in leaves if isinstance(x, Tensor))
+    device = target.device
+
+    # Both in eval mode: a training-mode pass would move batch-norm statistics. With
+    # gradients on, the pass keeps what the backward pass needs, as training does.
+    def train_forward() -> None:
+        loss_fn(call_model(model, inputs), target, inputs)
+
+    def eval_forward() -> None:
+        with torch.no_grad():
+            call_model(model, inputs)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            check_batch_fits(
+                train_forward,
+                input_bytes=input_bytes,
+                batch_size=train_batch,
+                what="data.batch_size",
+                device=device,
+            )
+            check_batch_fits(
+                eval_forward,
+                input_bytes=input_bytes,
+                batch_size=eval_batch,
+                what="data.eval_batch_size",
+                device=device,
+            )
+    finally:
+        model.train(was_training)
 
 
 def _stop_message(
@@ -395,7 +447,14 @@ def _fit(
         ema = build_ema(model, cfg.train)
         loss_fn = _LossFn(cfg, _build_teacher(cfg, info, device))
         sample_kwargs, query_gen = _query_sampler(cfg, model, cfg.seed)
-        _check_forward(model, loss_fn, train_set, device, num_classes=info.num_classes)
+        _check_forward(
+            model,
+            loss_fn,
+            train_set,
+            device,
+            num_classes=info.num_classes,
+            batch_sizes=(cfg.data.batch_size, cfg.data.eval_batch_size),
+        )
         # Dropout / drop-path randomness differs per process, as in any DDP run.
         torch.manual_seed(cfg.seed * 1000 + 1 + dist_info.rank)
 
