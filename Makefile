@@ -40,9 +40,11 @@ lint: $(STAMP)
 	$(BIN)/python -m mypy
 
 # The type checker reads its settings (files, libraries without types) from pyproject.toml.
+# docs/BENCHMARKS.md must be what benchmarks/results/ render (tools/render_benchmarks.py).
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m mypy
+	$(BIN)/python tools/render_benchmarks.py --check
 	$(BIN)/python -m pytest -q
 
 clean:
