@@ -1,7 +1,8 @@
 """Whether a throughput figure can be trusted: its spread over runs, and the machine's load.
 
-A figure measured while other jobs share the cores is not the model's speed (a demo
-printed 27 img/s for a model a quiet bench times at 1,705). Every throughput row carries
+A figure measured while other jobs share the cores is not the model's speed (a demo run
+beside other jobs printed a small fraction of what a quiet bench times for the same model;
+docs/BENCHMARKS.md, "How we measure"). Every throughput row carries
 ``spread_pct``, the range of its timed runs over their median, and ``load_before`` /
 ``load_after``, the one-minute load average around the timing. A row is *unreliable* when
 the spread is wide (:data:`WIDE_SPREAD_PCT`) or the machine was busy

@@ -163,10 +163,9 @@ def _opaque_when_compiled(x: Tensor) -> bool:
     Traced, the iterations run the plain step (the medoid table recomputed, every cluster
     scored) in fused kernels, skipped after the fixed point by :func:`torch.cond`; the
     eager code (for K-Medoids, the C++ iterations) does less work, plus the call's own
-    overhead. Compiled weighted K-Medoids plans alone, 1 thread, traced against opaque:
-    0.47 / 0.46 ms at 1 x 196 -> 163, 0.37 / 0.38 at 1 x 118 -> 85, 0.19 / 0.22 at
-    2 x 64 -> 56, 0.67 / 0.53 at 1 x 197 -> 98; from 512 tokens the opaque call wins
-    (1.45x at 1 x 785 and 8 x 784 with the batched eager iterations, before the C++ ones).
+    overhead. Timed as compiled plans alone, the two are close below a few hundred tokens
+    and the opaque call wins clearly from ``_OPAQUE_FROM_TOKENS`` on (docs/BENCHMARKS.md,
+    "Compiled and eager, small models and batch 1").
     """
     B, N, _ = x.shape
     return _compiling_for_cpu(x) and B * N >= _OPAQUE_FROM_TOKENS

@@ -2,8 +2,9 @@
 
 The batched plan in :mod:`leanformer.ops.clustering` runs about a hundred small tensor
 operations per iteration. At token pooling's sizes (tens to hundreds of tokens per
-example) their fixed cost outweighs the arithmetic: a plan for 64 x 64 tokens of width
-96 took 3.3 ms that way and 1.0 ms here. The kernel runs the same algorithm (assign to
+example) their fixed cost outweighs the arithmetic, which the kernel avoids: several
+times faster on a plan for 64 x 64 tokens of width 96 (docs/BENCHMARKS.md, "Compiled and
+eager, small models and batch 1"). The kernel runs the same algorithm (assign to
 the nearest medoid, move every medoid to the member nearest its cluster's weighted mean,
 stop at the fixed point) one example at a time, examples in parallel: it makes the
 medoid table (:mod:`leanformer.ops.medoid_distances`) with one BLAS product and keeps

@@ -31,7 +31,7 @@ overwrites the logits, so one block buffer is live at a time: scores add no quad
 term to a layer's peak memory. The output is written in place into a ``[B, Nq, H, D]``
 buffer, the layout the hosts merge the heads from without a copy. Times against the
 whole matrix and the fused kernel: ``benchmarks/bench_high_resolution.py`` (figures in
-``docs/BENCHMARKS.md``).
+docs/BENCHMARKS.md, "High resolution: 196, 576 and 784 tokens").
 
 Shapes: ``q [B, H, Nq, D]``, ``k, v [B, H, Nk, D]``, ``mask`` additive, of up to four
 dimensions, broadcastable with ``[B, H, Nq, Nk]`` (a mask with more items or heads than
@@ -253,10 +253,10 @@ def _compiling_for_cpu_inference(
     ``_OPAQUE_FROM_LOGITS`` logits: then the blocks run as one opaque call into the eager
     code, which lays them out for the cache (one item and a few heads).
 
-    Traced, the blocks span every item and head, in fused kernels. Compiled, 6 heads of
-    64, 1 thread: the opaque call 1.7x faster at 8 x 785 keys, 1.1-1.2x at 32 x 197 and
-    1.14x at 1 x 577; even at 8 x 197 (1.9M logits); the traced blocks faster by up to
-    0.2 ms below that (1, 2 and 4 x 197).
+    Traced, the blocks span every item and head, in fused kernels. Timed compiled, the
+    opaque call wins clearly at hundreds of keys and large batches, the two are even
+    around two million logits, and the traced blocks are slightly faster below that
+    (docs/BENCHMARKS.md, "High resolution: 196, 576 and 784 tokens").
     """
     if q.device.type != "cpu" or not torch.compiler.is_compiling():
         return False  # eager: decided before the shapes are broadcast
