@@ -1,6 +1,6 @@
 """How much `leanformer bench` figures move between identical runs, by allocator setting.
 
-    python benchmarks/bench_allocator_spread.py --repeats 10 --out runs/allocator_spread.jsonl
+    python benchmarks/bench_allocator_spread.py --repeats 10
 
 Runs the same ``leanformer bench`` command ``--repeats`` times in each of three settings,
 interleaved (A B C A B C ...), each in a fresh process:
@@ -11,8 +11,9 @@ interleaved (A B C A B C ...), each in a fresh process:
 - ``glibc``: no variables and ``LEANFORMER_DEFAULT_MALLOC=1``: glibc's defaults, what the
   command line measured before it set the allocator.
 
-Writes one JSON line per run and prints, per setting, the median, min and max img/s and
-the spread ``(max - min) / min``.
+Appends one JSON line per run and one summary per setting (the median, min and max img/s
+and the spread ``(max - min) / min``; with the machine, command and date) to ``--out``, by
+default ``benchmarks/results/allocator_spread.jsonl``, and prints the summaries.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 from pathlib import Path
 
 from leanformer.allocator import SETTINGS
+from leanformer.bench.results import results_path, run_stamp, write_jsonl
 
 BENCH = ["bench", "--model", "deit_small", "--runs", "10", "--warmup", "3"]  # batch 1, the default
 BENCH += ["--no-memory", "--json"]
@@ -48,27 +50,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=10, help="runs per setting (default: 10)")
     parser.add_argument("--threads", type=int, default=None, help="--threads for bench (default: torch's)")
-    parser.add_argument("--out", type=Path, default=Path("runs/allocator_spread.jsonl"))
+    parser.add_argument("--out", type=Path, default=results_path("allocator_spread"))
     args = parser.parse_args()
     command = [sys.executable, "-m", "leanformer", *BENCH]
     if args.threads is not None:
         command += ["--threads", str(args.threads)]
     settings = ("cli", "exported", "glibc")
     speeds: dict[str, list[float]] = {s: [] for s in settings}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w") as handle:
-        for repeat in range(args.repeats):
-            for setting in settings:
-                done = subprocess.run(
-                    command, env=environment(setting), capture_output=True, text=True, check=True
-                )
-                row = {"setting": setting, "repeat": repeat, **json.loads(done.stdout.splitlines()[-1])}
-                speeds[setting].append(row["img_per_s"])
-                handle.write(json.dumps(row) + "\n")
-                handle.flush()
+    stamp = run_stamp(threads=args.threads)
+    for repeat in range(args.repeats):
+        for setting in settings:
+            done = subprocess.run(
+                command, env=environment(setting), capture_output=True, text=True, check=True
+            )
+            row = {**stamp, "setting": setting, "repeat": repeat, **json.loads(done.stdout.splitlines()[-1])}
+            speeds[setting].append(row["img_per_s"])
+            write_jsonl([row], args.out, append=True)  # run by run: a stopped loop keeps its rows
     for setting, values in speeds.items():
         low, high = min(values), max(values)
         summary = {
+            **stamp,
+            "kind": "summary",
             "setting": setting,
             "runs": len(values),
             "median_img_per_s": round(statistics.median(values), 2),
@@ -76,6 +78,7 @@ def main() -> int:
             "max": round(high, 2),
             "spread": round((high - low) / low, 3),
         }
+        write_jsonl([summary], args.out, append=True)
         print(json.dumps(summary))
     return 0
 

@@ -5,9 +5,10 @@ point grid, width 64) and measured in one process: parameters, GMACs per pair (t
 papers' "GFLOPs", counted by ``leanformer.bench.flops``) and forward throughput at
 ``--batch``.
 
-    python benchmarks/bench_drrt.py --out runs/bench_drrt.jsonl [--threads 1]
+    python benchmarks/bench_drrt.py --threads 1 --runs 5 --warmup 2
 
-Prints a markdown table and appends JSON lines to ``--out``.
+Prints a markdown table and appends JSON lines (with the machine, command and date) to
+``--out``, by default ``benchmarks/results/drrt.jsonl``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from leanformer import create_model
 from leanformer.bench.flops import count_gflops
-from leanformer.bench.results import write_jsonl
+from leanformer.bench.results import results_path, run_stamp, write_jsonl
 from leanformer.bench.throughput import measure_throughput
 
 # (label, registered model, constructor overrides)
@@ -43,11 +44,12 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--out", default="runs/bench_drrt.jsonl")
+    p.add_argument("--out", default=str(results_path("drrt")))
     args = p.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    stamp = run_stamp()
 
     rows = []
     for label, name, options in CASES:
@@ -56,6 +58,7 @@ def main() -> None:
         stats = measure_throughput(model, inputs, warmup=args.warmup, runs=args.runs)
         rows.append(
             {
+                **stamp,
                 "bench": "drrt",
                 "case": label,
                 "model": name,

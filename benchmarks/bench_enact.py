@@ -11,9 +11,10 @@ other image padded.
 Run (stable allocator, see docs/BENCHMARKS.md)::
 
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=1073741824 \
-        python benchmarks/bench_enact.py --out runs/bench_enact.jsonl
+        python benchmarks/bench_enact.py --threads 1 --sizes 25x34,32x32 --runs 3 --warmup 1
 
-Prints markdown tables and writes one JSON object per measurement to ``--out``.
+Prints markdown tables and appends one JSON object per measurement (with the machine,
+command and date) to ``--out``, by default ``benchmarks/results/enact.jsonl``.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import argparse
 import json
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from leanformer import create_model
 from leanformer.bench.memory import cpu_peak_mb
+from leanformer.bench.results import results_path, run_stamp, write_jsonl
 from leanformer.bench.timing import time_interleaved
 from leanformer.models.detr import DETREncoder
 from leanformer.ops.region_cluster import region_cluster
@@ -131,7 +132,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
-    p.add_argument("--out", default="runs/bench_enact.jsonl")
+    p.add_argument("--out", default=str(results_path("enact")))
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -141,56 +142,50 @@ def main() -> None:
     scopes = [] if args.scopes == "none" else args.scopes.split(",")
     if any(s not in ("attention", "layer", "encoder") for s in scopes):
         p.error(f"--scopes: expected attention, layer, encoder or none, got {args.scopes!r}")
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    env = {"threads": torch.get_num_threads(), "torch": torch.__version__, "batch_size": args.batch_size}
+    env = {**run_stamp(), "batch_size": args.batch_size}
 
-    with out_path.open("w") as out:
-        for H, W in sizes:
-            for sigma in sigmas:
-                dense, enact = build_pair(sigma)
-                feats, mask = enact.example_inputs(args.batch_size, feature_size=(H, W))
-                for mode in modes:
-                    dense.train(mode == "train")
-                    enact.train(mode == "train")
-                    for scope in scopes:
-                        fns = {
-                            "dense": scope_fn(dense, scope, feats, mask, mode),
-                            "enact": scope_fn(enact, scope, feats, mask, mode),
-                        }
-                        t = time_pair(fns, warmup=args.warmup, runs=args.runs)
-                        per_layer = enact.cluster_ratios()
-                        ratio = statistics.mean(per_layer) if scope == "encoder" else per_layer[0]
-                        row: dict[str, Any] = {
-                            "size": f"{H}x{W}",
-                            "sigma": sigma,
-                            "mode": mode,
-                            "scope": scope,
-                            "dense_ms": round(t["dense"], 3),
-                            "enact_ms": round(t["enact"], 3),
-                            "time_ratio": round(t["enact"] / t["dense"], 3),
-                            "cluster_ratio": round(ratio, 4),
-                            **env,
-                        }
-                        if not args.no_memory:
-                            md, me = cpu_peak_mb(fns["dense"]), cpu_peak_mb(fns["enact"])
-                            row.update(
-                                dense_mb=round(md, 2), enact_mb=round(me, 2), mem_ratio=round(me / md, 3)
-                            )
-                        rows.append(row)
-                        out.write(json.dumps(row) + "\n")
-                        out.flush()
-                        print(json.dumps(row), flush=True)
-        share_rows = []
-        H, W = sizes[0]
+    for H, W in sizes:
         for sigma in sigmas:
-            _, enact = build_pair(sigma)
+            dense, enact = build_pair(sigma)
             feats, mask = enact.example_inputs(args.batch_size, feature_size=(H, W))
-            s = cluster_share(sigma, feats, mask, warmup=args.warmup, runs=args.runs)
-            row = {"size": f"{H}x{W}", "sigma": sigma, "kind": "cluster_share", **s, **env}
-            share_rows.append(row)
-            out.write(json.dumps(row) + "\n")
+            for mode in modes:
+                dense.train(mode == "train")
+                enact.train(mode == "train")
+                for scope in scopes:
+                    fns = {
+                        "dense": scope_fn(dense, scope, feats, mask, mode),
+                        "enact": scope_fn(enact, scope, feats, mask, mode),
+                    }
+                    t = time_pair(fns, warmup=args.warmup, runs=args.runs)
+                    per_layer = enact.cluster_ratios()
+                    ratio = statistics.mean(per_layer) if scope == "encoder" else per_layer[0]
+                    row: dict[str, Any] = {
+                        "size": f"{H}x{W}",
+                        "sigma": sigma,
+                        "mode": mode,
+                        "scope": scope,
+                        "dense_ms": round(t["dense"], 3),
+                        "enact_ms": round(t["enact"], 3),
+                        "time_ratio": round(t["enact"] / t["dense"], 3),
+                        "cluster_ratio": round(ratio, 4),
+                        **env,
+                    }
+                    if not args.no_memory:
+                        md, me = cpu_peak_mb(fns["dense"]), cpu_peak_mb(fns["enact"])
+                        row.update(dense_mb=round(md, 2), enact_mb=round(me, 2), mem_ratio=round(me / md, 3))
+                    rows.append(row)
+                    write_jsonl([row], args.out, append=True)  # as measured: a stopped run keeps its rows
+                    print(json.dumps(row), flush=True)
+    share_rows = []
+    H, W = sizes[0]
+    for sigma in sigmas:
+        _, enact = build_pair(sigma)
+        feats, mask = enact.example_inputs(args.batch_size, feature_size=(H, W))
+        s = cluster_share(sigma, feats, mask, warmup=args.warmup, runs=args.runs)
+        row = {"size": f"{H}x{W}", "sigma": sigma, "kind": "cluster_share", **s, **env}
+        share_rows.append(row)
+        write_jsonl([row], args.out, append=True)
 
     print()
     print(
@@ -221,7 +216,7 @@ def main() -> None:
             f"| {r['size']} | {r['sigma']:g} | {r['cluster_ms']:.2f} | {r['layer_ms']:.2f} "
             f"| {r['share']:.1%} |"
         )
-    print(f"\nwrote {out_path}")
+    print(f"\nappended to {args.out}")
 
 
 if __name__ == "__main__":

@@ -9,21 +9,22 @@ forward, and measures peak tensor memory (see ``leanformer.apps.hf_detr``).
 Run (stable allocator, see docs/BENCHMARKS.md)::
 
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=1073741824 \
-    HF_HUB_OFFLINE=1 python benchmarks/bench_enact_detr.py --out runs/bench_enact_detr.jsonl
+    HF_HUB_OFFLINE=1 python benchmarks/bench_enact_detr.py --backbones R50,DC5 --warmup 1 --runs 3
 
-Prints a markdown table and writes one JSON object per measurement to ``--out``.
+Prints a markdown table and appends one JSON object per measurement (with the machine,
+command and date) to ``--out``, by default ``benchmarks/results/enact_detr.jsonl``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from leanformer.apps.hf_detr import SCOPES, build_detr_pair, compare_dense_enact, photo_batch
+from leanformer.bench.results import results_path, run_stamp, write_jsonl
 from leanformer.commands._options import parse_size
 
 BACKBONES = {"R50": False, "DC5": True}  # name -> dilation of the last ResNet stage
@@ -40,41 +41,39 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
-    p.add_argument("--out", default="runs/bench_enact_detr.jsonl")
+    p.add_argument("--out", default=str(results_path("enact_detr")))
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     backbones = args.backbones.split(",")
     if any(b not in BACKBONES for b in backbones):
         p.error(f"--backbones: expected R50 and/or DC5, got {args.backbones!r}")
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    stamp = run_stamp()
     pixels, mask = photo_batch(args.batch_size, args.img_size)
     rows: list[dict[str, Any]] = []
-    with out_path.open("w") as out:
-        for name in backbones:
-            dense, enact = build_detr_pair(dilation=BACKBONES[name], sigma=args.sigma)
-            for row in compare_dense_enact(
-                dense,
-                enact,
-                pixels,
-                mask,
-                scopes=tuple(args.scopes.split(",")),
-                warmup=args.warmup,
-                runs=args.runs,
-                memory=not args.no_memory,
-            ):
-                row = {
-                    "backbone": name,
-                    "img_size": "{}x{}".format(*args.img_size),
-                    "sigma": args.sigma,
-                    **row,
-                }
-                rows.append(row)
-                out.write(json.dumps(row) + "\n")
-                out.flush()
-                print(json.dumps(row), flush=True)
-            del dense, enact
+    for name in backbones:
+        dense, enact = build_detr_pair(dilation=BACKBONES[name], sigma=args.sigma)
+        for row in compare_dense_enact(
+            dense,
+            enact,
+            pixels,
+            mask,
+            scopes=tuple(args.scopes.split(",")),
+            warmup=args.warmup,
+            runs=args.runs,
+            memory=not args.no_memory,
+        ):
+            row = {
+                **stamp,
+                "backbone": name,
+                "img_size": "{}x{}".format(*args.img_size),
+                "sigma": args.sigma,
+                **row,
+            }
+            rows.append(row)
+            write_jsonl([row], args.out, append=True)  # as measured: a stopped run keeps its rows
+            print(json.dumps(row), flush=True)
+        del dense, enact
 
     print()
     print(
@@ -95,7 +94,7 @@ def main() -> None:
             f"| {r['backbone']} | {r['feature_size']} | {r['scope']} | {r['cluster_ratio']:.3f} "
             f"| {r['dense_ms']:.0f} | {r['enact_ms']:.0f} | {r['time_ratio']:.2f} | {mem} |"
         )
-    print(f"\nwrote {out_path}")
+    print(f"\nappended to {args.out}")
 
 
 if __name__ == "__main__":

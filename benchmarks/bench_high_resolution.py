@@ -22,9 +22,10 @@ times each candidate once, in turn); figures are medians.
    largest size, per method and unpatched (:func:`leanformer.bench.memory.cpu_peak_mb`).
 
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=1073741824 \\
-        python benchmarks/bench_high_resolution.py --threads 1,2 --out runs/bench_high_resolution.jsonl
+        python benchmarks/bench_high_resolution.py --parts models --threads 1,2 --compile --runs 9
 
-Prints markdown tables and appends JSON lines to ``--out``.
+Prints markdown tables and appends JSON lines (with the machine, command and date) to
+``--out``, by default ``benchmarks/results/high_resolution.jsonl``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from torch import Tensor, nn
 from leanformer.bench.compiled import compile_for_inference
 from leanformer.bench.flops import count_gflops
 from leanformer.bench.memory import cpu_peak_mb
-from leanformer.bench.results import markdown_rows, write_jsonl
+from leanformer.bench.results import markdown_rows, results_path, run_stamp, write_jsonl
 from leanformer.bench.speedup import speedup_rows
 from leanformer.bench.timing import CLOCKS, add_clock_argument, time_interleaved
 from leanformer.ops.attention import attention, size_bias
@@ -204,7 +205,7 @@ def main() -> None:
     p.add_argument("--received-tokens", default="197,577,785")
     p.add_argument("--received-runs", type=int, default=15)
     add_clock_argument(p)
-    p.add_argument("--out", default="runs/bench_high_resolution.jsonl")
+    p.add_argument("--out", default=str(results_path("high_resolution")))
     args = p.parse_args()
     global CLOCK
     CLOCK = CLOCKS[args.clock]
@@ -218,7 +219,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for threads in _ints(args.threads):
         torch.set_num_threads(threads)
-        meta = {"threads": threads, "clock": args.clock, "batch": args.batch, "torch": torch.__version__}
+        meta = {**run_stamp(threads=threads), "clock": args.clock, "batch": args.batch}
         meta |= {"timm": timm.__version__}
         meta |= {"allocator": env}
         new: list[dict[str, Any]] = []
@@ -240,7 +241,7 @@ def main() -> None:
         memory = bench_memory(max(images), methods, args)
         print(f"\n### forward peak tensor memory, {max(images)}px, batch {args.batch}\n")
         print(markdown_rows(memory, ["tokens", "name", "remove_per_block", "peak_mb", "peak_vs_unpatched"]))
-        rows += [{**r, "batch": args.batch, "torch": torch.__version__} for r in memory]
+        rows += [{**r, **run_stamp(), "batch": args.batch} for r in memory]
     out = write_jsonl(rows, args.out, append=True)
     print(f"\nallocator={env}; wrote {out}")
 

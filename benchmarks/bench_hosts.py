@@ -4,7 +4,8 @@ the same shape, unpatched and patched through ``leanformer.apply_token_pooling``
 Every model runs round-robin in one process (``time_interleaved``), so background load
 hits all alike; the figures to quote are each host's speedup over its own unpatched
 model, next to its GFLOPs ratio. Random weights (nothing is downloaded); the cost does
-not depend on them. Writes JSON lines and prints a markdown table.
+not depend on them. Prints a markdown table and appends JSON lines (with the machine,
+command and date) to ``--out``, by default ``benchmarks/results/hosts.jsonl``.
 
     python benchmarks/bench_hosts.py --batch 8 --runs 5
 """
@@ -23,7 +24,7 @@ from torch import nn
 
 import leanformer
 from leanformer.bench.flops import count_gflops
-from leanformer.bench.results import write_jsonl
+from leanformer.bench.results import results_path, run_stamp, write_jsonl
 from leanformer.bench.timing import time_interleaved
 
 ALLOCATOR = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
@@ -86,12 +87,12 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--out", default="runs/bench_hosts.jsonl")
+    p.add_argument("--out", default=str(results_path("hosts")))
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = run(args)
-    write_jsonl(rows, args.out)
+    rows = [{**run_stamp(), **row} for row in run(args)]
+    write_jsonl(rows, args.out, append=True)
     print("| host | method | keep | GFLOPs | FLOPs ratio | img/s | speedup |")
     print("|---|---|---|---:|---:|---:|---:|")
     for r in rows:

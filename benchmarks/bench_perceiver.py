@@ -1,6 +1,7 @@
 """Visual Perceiver cost per query count (paper table 1) and Dynamic Query Selection overhead.
 
-Prints markdown tables and writes JSON lines:
+Prints markdown tables and appends JSON lines (with the machine, command and date) to
+``--out``, by default ``benchmarks/results/perceiver.jsonl``:
 
 * GMACs per image and inference time per batch for K in 1..64, and the time relative
   to K=64 (goal: K=32 at most 0.55 of K=64; the paper measured 0.46);
@@ -20,15 +21,12 @@ about accuracy, only about cost). Run with a stable allocator, e.g.
 from __future__ import annotations
 
 import argparse
-import platform
-import time
-from pathlib import Path
 
 import torch
 
 from leanformer import create_model
 from leanformer.apps.perceiver_eval import COST_COLUMNS, cost_by_k, dqs_timing, markdown_table
-from leanformer.bench.results import write_jsonl
+from leanformer.bench.results import results_path, run_stamp, write_jsonl
 
 
 def calibrate_threshold(model: torch.nn.Module, batch: torch.Tensor, target: float, rule: str) -> float:
@@ -61,7 +59,7 @@ def main() -> None:
     )
     parser.add_argument("--dqs-rule", default="any", choices=("any", "kept"))
     parser.add_argument("--threads", type=int, help="torch intra-op threads")
-    parser.add_argument("--out", default="runs/bench_perceiver.jsonl")
+    parser.add_argument("--out", default=str(results_path("perceiver")))
     args = parser.parse_args()
 
     if args.threads:
@@ -76,14 +74,7 @@ def main() -> None:
     model.eval()
     batch = torch.randn(args.batch_size, model.in_chans, *model.img_size)
     ks = [int(k) for k in args.ks.split(",")]
-    env = {
-        "model": args.model,
-        "batch_size": args.batch_size,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
+    env = {**run_stamp(), "model": args.model, "batch_size": args.batch_size}
 
     cost = cost_by_k(model, ks, batch=batch, warmup=args.warmup, runs=args.runs)
     for row in cost:
@@ -95,7 +86,7 @@ def main() -> None:
         t = calibrate_threshold(model, batch, args.dqs_target, args.dqs_rule)
     dqs = dqs_timing(model, batch, t, rule=args.dqs_rule, warmup=args.warmup, runs=args.runs)
     dqs.update(env, bench="perceiver_dqs", weights="checkpoint" if args.checkpoint else "random")
-    write_jsonl([*cost, dqs], args.out, append=Path(args.out).exists())
+    write_jsonl([*cost, dqs], args.out, append=True)
 
     print(f"## {args.model}: cost per query count (batch {args.batch_size}, {env['threads']} threads)\n")
     print(markdown_table(cost, [*COST_COLUMNS, ("img_per_s", "img/s")]))

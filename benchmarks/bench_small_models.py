@@ -31,7 +31,8 @@ allocator first, and ``--threads``:
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=1073741824 \\
         python benchmarks/bench_small_models.py --parts digits --threads 1 --compile
 
-Prints markdown tables and appends JSON lines to ``--out``.
+Prints markdown tables and appends JSON lines (with the machine, command and date) to
+``--out``, by default ``benchmarks/results/small_models.jsonl``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from torch import Tensor, nn
 from leanformer.apps.tradeoff import solve_method_budget
 from leanformer.bench.compiled import compile_for_inference
 from leanformer.bench.flops import count_gflops
-from leanformer.bench.results import write_jsonl
+from leanformer.bench.results import results_path, run_stamp, write_jsonl
 from leanformer.bench.timing import time_interleaved
 from leanformer.commands.demo_tokenpool import DIGITS_SWEEP
 from leanformer.layers.block import Block
@@ -350,7 +351,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--runs", type=int, default=7)
-    p.add_argument("--out", default="runs/bench_small_models.jsonl")
+    p.add_argument("--out", default=str(results_path("small_models")))
     args = p.parse_args()
     args.methods = [m for m in args.methods.split(",") if m] if args.methods else None
     args.deit_batches = [int(b) for b in args.deit_batches.split(",")]
@@ -366,7 +367,7 @@ def main() -> None:
     unknown = set(parts) - set(PARTS)
     if unknown:
         p.error(f"unknown parts: {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}")
-    meta = {"threads": torch.get_num_threads(), "torch": torch.__version__}
+    meta = run_stamp()
     meta["allocator"] = {k: os.environ.get(k) for k in ALLOCATOR}
     for part in parts:
         rows = PARTS[part](args)

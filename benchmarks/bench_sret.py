@@ -14,9 +14,11 @@
 4. Whole models at 224x224: GFLOPs (multiply-adds) and img/s, sliced vs unsliced.
 
 Timings alternate between the variants in one process and report medians. Run with
-the allocator setting of docs/BENCHMARKS.md. Prints a markdown table; writes JSON lines.
+the allocator setting of docs/BENCHMARKS.md. Prints a markdown table and appends JSON
+lines (with the machine, command and date) to ``--out``, by default
+``benchmarks/results/sret.jsonl``.
 
-    python benchmarks/bench_sret.py --out runs/bench_sret.jsonl
+    python benchmarks/bench_sret.py --threads 1 --batch 8 --runs 10 --model-batch 32
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 
 from leanformer import create_model
 from leanformer.bench.flops import count_gflops
-from leanformer.bench.results import write_jsonl
+from leanformer.bench.results import results_path, run_stamp, write_jsonl
 from leanformer.bench.throughput import measure_throughput
 from leanformer.bench.timing import time_interleaved
 from leanformer.layers import sliced_attention
@@ -250,7 +252,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default="runs/bench_sret.jsonl", help="JSON lines output")
+    parser.add_argument("--out", default=str(results_path("sret")), help="JSON lines output")
     parser.add_argument("--batch", type=int, default=32, help="attention benchmark batch size")
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--runs", type=int, default=10, help="timed runs per variant")
@@ -284,7 +286,8 @@ def main() -> None:
         [n for n in args.models.split(",") if n], args.model_batch, args.img_size, max(args.runs // 2, 2)
     )
     print_tables(att, in_layer, score, mod)
-    rows = att + in_layer + score + mod
+    stamp = run_stamp()
+    rows = [{**stamp, **row} for row in att + in_layer + score + mod]
     out = write_jsonl(rows, args.out, append=True)
     print(f"\nwrote {len(rows)} rows to {out}")
 

@@ -15,10 +15,11 @@ the figure is the median over runs.
    ``timm.create_model("deit_small_patch16_224", pretrained=False)``.
 
     MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=17179869184 MALLOC_TOP_PAD_=1073741824 \\
-        python benchmarks/bench_token_pooling.py --out runs/bench_token_pooling.jsonl
+        python benchmarks/bench_token_pooling.py
 
 ``--profile METHOD`` prints the profiler's operator table for one method's layer instead
-(where its time goes). Prints markdown tables and writes JSON lines to ``--out``. On a
+(where its time goes). Prints markdown tables and appends JSON lines (with the machine, command and date) to
+``--out``, by default ``benchmarks/results/token_pooling.jsonl``. On a
 busy machine, wall-clock ratios mostly measure the scheduler (threads of a pooled model
 wait for each other on its many small ops); ``--clock cpu --threads 1`` times this
 process's CPU work instead.
@@ -37,7 +38,7 @@ from timm.models.vision_transformer import Block
 from torch import Tensor, nn
 
 from leanformer.bench.flops import count_gflops
-from leanformer.bench.results import markdown_rows, write_jsonl
+from leanformer.bench.results import markdown_rows, results_path, run_stamp, write_jsonl
 from leanformer.bench.speedup import speedup_rows
 from leanformer.bench.timing import CLOCKS, add_clock_argument, time_interleaved
 from leanformer.layers.timm_host import block_parts
@@ -198,7 +199,7 @@ def main() -> None:
         metavar="METHOD",
         help="print the profiler's operator table of 5 calls of this method's layer, then exit",
     )
-    p.add_argument("--out", default="runs/bench_token_pooling.jsonl")
+    p.add_argument("--out", default=str(results_path("token_pooling")))
     args = p.parse_args()
     global CLOCK
     CLOCK = CLOCKS[args.clock]
@@ -217,12 +218,7 @@ def main() -> None:
         p.error(f"unknown parts: {', '.join(sorted(unknown))}")
 
     env = {k: os.environ.get(k) for k in ALLOCATOR}
-    meta = {
-        "threads": torch.get_num_threads(),
-        "clock": args.clock,
-        "torch": torch.__version__,
-        "allocator": env,
-    }
+    meta = {**run_stamp(), "clock": args.clock, "allocator": env}
     rows: list[dict[str, Any]] = []
     if "layer" in parts:
         layer = bench_layer(args)

@@ -16,17 +16,14 @@ Appends one JSON line per candidate to ``--out`` (machine, command, date, figure
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from leanformer.bench.results import markdown_rows, write_jsonl
+from leanformer.bench.results import markdown_rows, results_path, run_stamp, write_jsonl
 from leanformer.bench.timing import time_interleaved
 from leanformer.config import OptimConfig
 from leanformer.engine.recipe import autocast_for, build_optimizer
@@ -60,7 +57,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--out", default="benchmarks/results/training.jsonl")
+    parser.add_argument("--out", default=str(results_path("training")))
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -84,12 +81,8 @@ def main() -> None:
     seconds = time_interleaved(candidates, warmup=args.warmup, runs=args.runs, progress=True)
     first = next(iter(seconds.values()))
     stamp = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
-        "date": datetime.date.today().isoformat(),
-        "threads": args.threads,
+        **run_stamp(threads=args.threads),
         "allocator": all(os.environ.get(name) for name in ALLOCATOR),
-        "torch": torch.__version__,
     }
     rows = [
         {

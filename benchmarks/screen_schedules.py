@@ -14,13 +14,14 @@ model trained on the first 50,000 (e.g. the depth-12 run of
 ``configs/train_deit_fashion_d12.yaml``). Needs Fashion-MNIST.
 
     python benchmarks/screen_schedules.py --targets 0.5,0.36,0.24 --tilts=-1.2,-0.6,0,0.6 \\
-        --methods merge,stepmerge --out runs/schedules.jsonl
+        --methods merge,stepmerge
     python benchmarks/screen_schedules.py --targets 0.36 --methods merge \\
         --tilts=-1.6,-1.2,-0.8,-0.4,0 --bends=-1,-0.5,0,0.5,1
     python benchmarks/screen_schedules.py --checkpoint runs/deit_fashion_d12/last.safetensors \\
         --targets 0.35,0.24 --methods merge,inputmerge --tilts=0 --images 10000
 
-Prints one JSON line per point (and appends it to ``--out``).
+Prints one JSON line per point and appends it (with the machine, command and date) to
+``--out``, by default ``benchmarks/results/schedules.jsonl``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch.utils.data import DataLoader, Subset
 from leanformer.apps.gflops_budget import check_gflops_budget
 from leanformer.apps.tradeoff import solve_method_budget, with_method
 from leanformer.bench.flops import count_gflops
+from leanformer.bench.results import results_path, run_stamp, write_jsonl
 from leanformer.config import DataConfig
 from leanformer.engine.builders import build_split
 from leanformer.engine.checkpoint import load_model
@@ -90,7 +92,9 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=0, help="first validation image used")
     parser.add_argument("--images", type=int, default=2000, help="validation images used")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, help="append the JSON lines here too")
+    parser.add_argument(
+        "--out", type=Path, help="append the JSON lines here (default: benchmarks/results/schedules.jsonl)"
+    )
     parser.add_argument(
         "--checkpoint", type=Path, help="a trained Fashion-MNIST model (default: the shipped deit_fashion)"
     )
@@ -103,6 +107,8 @@ def main() -> None:
     if args.out is not None and not args.out.parent.is_dir():
         parser.error(f"--out {args.out}: the folder {args.out.parent} does not exist")
     torch.set_num_threads(args.threads)
+    out = args.out if args.out is not None else results_path("schedules")
+    stamp = run_stamp()
 
     if args.checkpoint is not None and not args.checkpoint.is_file():
         parser.error(f"checkpoint {args.checkpoint} does not exist")
@@ -130,7 +136,9 @@ def main() -> None:
     def cost(method: str, keep: list[float]) -> float:
         return count_gflops(variant(method, keep), image) / full
 
-    print(json.dumps({"method": "none", "top1": evaluate(base, loader)["top1"], "gflops": full}), flush=True)
+    unpooled = {**stamp, "method": "none", "top1": evaluate(base, loader)["top1"], "gflops": full}
+    print(json.dumps(unpooled), flush=True)
+    write_jsonl([unpooled], out, append=True)
     for target in targets:
         for method in methods:
             for tilt, bend in shapes:
@@ -139,6 +147,7 @@ def main() -> None:
                     base, method, budget, image[0], carry=True, options={}, name=method
                 )
                 row = {
+                    **stamp,
                     "target": target,
                     "method": method,
                     "tilt": tilt,
@@ -149,9 +158,7 @@ def main() -> None:
                     "images": f"{images.start}-{images.stop - 1}",
                 }
                 print(json.dumps(row), flush=True)
-                if args.out is not None:
-                    with args.out.open("a") as handle:
-                        handle.write(json.dumps(row) + "\n")
+                write_jsonl([row], out, append=True)
 
 
 if __name__ == "__main__":
