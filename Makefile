@@ -41,11 +41,13 @@ lint: $(STAMP)
 
 # The type checker reads its settings (files, libraries without types) from pyproject.toml.
 # docs/BENCHMARKS.md must be what benchmarks/results/ render (tools/render_benchmarks.py).
+# The tests run in one worker per core (pytest-xdist): most of their time is single-threaded
+# Python (graph tracing, small tensors), so a second core halves the suite.
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m mypy
 	$(BIN)/python tools/render_benchmarks.py --check
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4
 
 clean:
 	rm -rf $(VENV) .pytest_cache build src/*.egg-info

@@ -19,8 +19,9 @@ else:
     # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers, so without it the
     # examples run one after another (at run time the library uses torch's libgomp, which
     # is already loaded under the same soname). -fno-trapping-math -fno-math-errno, as
-    # torch itself is built: loops with float comparisons and exp vectorise.
-    flags = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
+    # torch itself is built: loops with float comparisons and exp vectorise. -g0: Python's
+    # own flags ask for debug information, which nearly doubles the build of torch's headers.
+    flags = ["-O3", "-g0", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
     ext_modules = [
         CppExtension(
             f"leanformer.ops._{name}",

@@ -131,11 +131,14 @@ def test_dynamic_shapes_compile_fullgraph_and_a_new_budget_recompiles(method: st
     """``dynamic=True`` (batch and image sizes symbolic): the keep ratio was read as a
     symbolic float, whose token count could not enter the clusterings' loops. A budget
     changed on a reducer afterwards must recompile, not reuse the old count."""
-    model = apply_token_pooling(_peaked(tiny_vit()), keep=0.5, method=method)
+    # Two iterations: the loops see the symbolic count as five would, in less tracing.
+    model = apply_token_pooling(_peaked(tiny_vit()), keep=0.5, method=method, max_iters=2)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
     with torch.no_grad():
-        for batch, size in ((2, (16, 16)), (3, (8, 32)), (1, (12, 20))):
+        # Two shapes, then a new budget: each compiles its own graph here (the clusterings'
+        # counts specialise the sizes), so a third shape would only add time.
+        for batch, size in ((2, (16, 16)), (3, (8, 32))):
             x = torch.randn(batch, 3, *size)
             torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=1e-5)
         model.token_pooling.reducer(1).keep = 0.25

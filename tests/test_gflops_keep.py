@@ -26,14 +26,8 @@ from leanformer.patch.timm import create_timm_model
 # `none` reduces nothing whatever the budget; `conv` is learned: see its own test below.
 # The clusterings are slow to count (every candidate runs their iterations): marked slow.
 CLUSTERING = ("kmeans", "kmedoids", "wkmeans", "wkmedoids")
-# K-Means' cost depends on the images (0.526x and 0.490x measured on other images than the
-# solver's four): an open defect of the solver, kept visible here rather than hidden.
-_DATA_DEPENDENT = ("kmeans", "wkmeans")
-_OPEN = pytest.mark.xfail(strict=True, reason="K-Means' GFLOPs depend on the images")
 METHODS = [
-    pytest.param(m, marks=[pytest.mark.slow, *([_OPEN] if m in _DATA_DEPENDENT else [])])
-    if m in CLUSTERING
-    else m
+    pytest.param(m, marks=pytest.mark.slow) if m in CLUSTERING else m
     for m in list_methods()
     if m not in ("none", "conv")
 ]

@@ -26,8 +26,9 @@ Token counts are integers, so a model's cost moves in steps: a method whose reac
 step over the target by more than ``TOLERANCE`` (``conv``, whose 2x2 windows keep a quarter
 of the tokens at a time) is refused, naming the nearest costs it reaches. The trade-off sweep
 takes the cheapest point at most at the target instead (its rows record the GFLOPs reached).
-K-Means and K-Medoids stop at their fixed point on CPU, so their count can move a little with
-other images or weights.
+A FLOP counter sees every K-Means iteration (as an accelerator runs them), so its cost is a
+function of the token counts; K-Medoids counts the distances its C++ iterations compute,
+which stop at their fixed point, so its count can move a little with other images or weights.
 """
 
 from __future__ import annotations

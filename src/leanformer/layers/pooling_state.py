@@ -32,14 +32,15 @@ from leanformer.layers.reducer import (
     grid_after,
     sees_prefix,
 )
-from leanformer.layers.token_pooling import NothingPlaced, build_reducers
+from leanformer.layers.token_pooling import NothingPlaced, build_reducers, pooling_method
 from leanformer.ops.flop_count import count_gflops
 
 __all__ = ["ReducePosition", "TokenPooling"]
 
-# Images a GFLOPs fraction is solved on. A batched K-Means or K-Medoids runs until its last
-# image converges, so its cost per image depends on the batch: on one image it stopped
-# early where batches of a few rarely did, and the solved budget missed them by 3%.
+# Images a GFLOPs fraction is solved on, for a method whose cost depends on them. K-Medoids
+# iterates until its last image converges, so its cost per image depends on the batch: on
+# one image it stopped early where batches of a few rarely did, and the solved budget missed
+# them by 3%. Other methods cost the same per image on any image: one.
 SOLVE_IMAGES = 4
 
 
@@ -257,8 +258,8 @@ class TokenPooling(nn.Module):
     def solve(self, schedule: KeepSchedule) -> KeepSchedule:
         """The per-block budgets with which this model spends ``schedule.gflops`` of its
         unpooled GFLOPs (:func:`leanformer.layers.gflops_keep.solve_gflops`), counted on
-        ``SOLVE_IMAGES`` seeded random images at the configured size. Leaves the reducers as
-        they were."""
+        ``SOLVE_IMAGES`` seeded random images at the configured size (one, for a method whose
+        cost the images do not change). Leaves the reducers as they were."""
         owner, shape = self.__dict__.get("_owner"), self.example_shape
         if owner is None or shape is None:
             raise ValueError(
@@ -267,7 +268,8 @@ class TokenPooling(nn.Module):
             )
         anchor = self.get_buffer("_device_anchor")
         reference = next((p for p in owner.parameters() if p.is_floating_point()), anchor)
-        example = torch.randn((SOLVE_IMAGES, *shape), generator=torch.Generator().manual_seed(0))
+        images = SOLVE_IMAGES if self.method and pooling_method(self.method).cost_depends_on_images else 1
+        example = torch.randn((images, *shape), generator=torch.Generator().manual_seed(0))
         example = example.to(device=anchor.device, dtype=reference.dtype)
         saved = self.reducers
         try:
@@ -344,12 +346,15 @@ class TokenPooling(nn.Module):
 def resolve_gflops_budget(model: nn.Module) -> None:
     """Solve ``model``'s GFLOPs budget (``keep="0.5x"``) again, on the weights it has now.
 
-    A model built with one is solved on its initial weights; a clustering stops at its
-    fixed point, so its cost can move once trained weights are loaded. Learned layers
-    (``conv``) keep their placement: moving them would drop their weights.
+    A model built with one is solved on its initial weights; K-Medoids stops at its fixed
+    point, so its cost can move once trained weights are loaded. Other methods cost the
+    same on any weights and are left as solved. Learned layers (``conv``) keep their
+    placement: moving them would drop their weights.
     """
     pooling = getattr(model, "token_pooling", None)
     if not isinstance(pooling, TokenPooling) or pooling.method in (None, "conv"):
+        return
+    if not pooling_method(pooling.method).cost_depends_on_images:
         return
     keep = pooling.keep
     if keep is not None and keep.gflops is not None:

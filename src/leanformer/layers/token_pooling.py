@@ -434,6 +434,10 @@ class PoolingMethod:
     # Whether the method tracks token sizes whatever ``carry`` says (ToMe's merges are
     # size-weighted averages); ``carry`` then only decides the attention's log(size) bias.
     sizes_always: bool = False
+    # Whether the method's counted cost depends on the images, not only on the token counts
+    # (K-Medoids' C++ iterations stop at their fixed point; a FLOP counter sees every K-Means
+    # iteration): a GFLOPs budget is then solved on several images rather than one.
+    cost_depends_on_images: bool = False
 
     def __post_init__(self) -> None:
         if (self.make is None) == (self.build is None):
@@ -517,13 +521,29 @@ _CLUSTER_OPTS = ("max_iters", "init", "seed")
 METHODS: dict[str, PoolingMethod] = {
     m.name: m
     for m in (
-        PoolingMethod("kmeans", "K-Means, cluster means", _cluster("kmeans", False), _CLUSTER_OPTS),
-        PoolingMethod("kmedoids", "K-Medoids, cluster means", _cluster("kmedoids", False), _CLUSTER_OPTS),
+        PoolingMethod(
+            "kmeans",
+            "K-Means, cluster means",
+            _cluster("kmeans", False),
+            _CLUSTER_OPTS,
+            cost_depends_on_images=True,
+        ),
+        PoolingMethod(
+            "kmedoids",
+            "K-Medoids, cluster means",
+            _cluster("kmedoids", False),
+            _CLUSTER_OPTS,
+            cost_depends_on_images=True,
+        ),
         PoolingMethod(
             "wkmeans", "weighted K-Means (significance scores)", _cluster("kmeans", True), _CLUSTER_OPTS
         ),
         PoolingMethod(
-            "wkmedoids", "weighted K-Medoids (significance scores)", _cluster("kmedoids", True), _CLUSTER_OPTS
+            "wkmedoids",
+            "weighted K-Medoids (significance scores)",
+            _cluster("kmedoids", True),
+            _CLUSTER_OPTS,
+            cost_depends_on_images=True,
         ),
         PoolingMethod("powerbert", "top-K by significance score (PoWER-BERT)", _select("topk")),
         PoolingMethod(

@@ -16,7 +16,10 @@
 // its own row of column sums, which are added up afterwards, so no task waits on another.
 // Inference only: no autograd, no dropout (the Python code handles those).
 
-#include <torch/extension.h>
+// ATen and the pybind11 casters for tensors, not all of <torch/extension.h>: the C++
+// frontend it adds (modules, optimizers) is unused here and doubled the build time.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 

@@ -52,7 +52,7 @@ from leanformer.ops.kmedoids_native import (
     warn_once_without_kernel,
 )
 from leanformer.ops.medoid_distances import MedoidDistances, medoid_distances, nearest_medoids
-from leanformer.ops.native import eager_cpu_inference
+from leanformer.ops.native import counting, eager_cpu_inference
 from leanformer.ops.segment_sum import flat_rows, segment_sum
 from leanformer.ops.token_distances import centred, pairwise_sq_dists, token_sq_dists
 from leanformer.ops.token_selection import gather_tokens
@@ -186,11 +186,15 @@ def _repeat_while_changing(
     skipped where that costs no device sync, with the result of running them all: eager on
     the CPU by reading the flag, and compiled for the CPU by a branch in the graph
     (:func:`torch.cond`, which then skips the remaining steps' work). Elsewhere (an
-    accelerator, where the branch would read the flag back) every step runs.
+    accelerator, where the branch would read the flag back) and under a FLOP counter every
+    step runs.
     """
     if max_iters < 1:
         return state
-    if _reads_back(state[0]):
+    # Under a FLOP counter every step runs, as on an accelerator: a counted cost is then a
+    # function of the token counts alone, not of where these images happened to converge
+    # (the solver of GFLOPs budgets counts other images than the user's).
+    if _reads_back(state[0]) and not counting():
         for _ in range(max_iters):
             *new, changed = step(*state)
             state = tuple(new)

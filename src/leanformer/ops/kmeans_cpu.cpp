@@ -16,7 +16,10 @@
 // Distances to the centres are one BLAS product per assignment, summed as
 // leanformer.ops.token_distances.pairwise_sq_dists sums them: (|c|^2 - 2 x.c) + |x|^2.
 
-#include <torch/extension.h>
+// ATen and the pybind11 casters for tensors, not all of <torch/extension.h>: the C++
+// frontend it adds (modules, optimizers) is unused here and doubled the build time.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 

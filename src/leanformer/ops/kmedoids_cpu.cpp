@@ -23,7 +23,10 @@
 // leanformer.ops.clustering.cluster_mean makes them) while its tokens are still in the
 // core's cache, which saves a later pass over the whole batch.
 
-#include <torch/extension.h>
+// ATen and the pybind11 casters for tensors, not all of <torch/extension.h>: the C++
+// frontend it adds (modules, optimizers) is unused here and doubled the build time.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 

@@ -7,7 +7,10 @@
 // this is one call, each example's rows summed segment by segment in row order: the
 // same sums in the same order.
 
-#include <torch/extension.h>
+// ATen and the pybind11 casters for tensors, not all of <torch/extension.h>: the C++
+// frontend it adds (modules, optimizers) is unused here and doubled the build time.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 
