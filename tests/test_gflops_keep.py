@@ -85,11 +85,23 @@ def test_the_run_time_setter_solves_and_a_refused_budget_changes_nothing() -> No
 def test_conv_is_refused_where_it_would_silently_do_nothing_or_miss_the_target() -> None:
     with pytest.raises(ValueError, match=r"conv cannot keep keep=0\.6 .* nearest budgets it reaches"):
         create_model("deit_fashion", pool="conv", keep=0.6)
-    # Its costs step in quarters of the tokens: between two of them it names both.
+    # Each layer keeps a quarter of the tokens: between two placements it names both.
     with pytest.raises(
-        ValueError, match=r"^conv cannot spend 0\.8x .* the nearest budgets it reaches are 0\.\d+x and 1x$"
+        ValueError,
+        match=r"^conv cannot spend 0\.8x .* the nearest budgets it reaches are 0\.6\d+x and 0\.8\d+x$",
     ):
         create_model("deit_fashion", pool="conv", keep="0.8x")
+
+
+def test_conv_spends_a_gflops_budget_by_placing_its_layers() -> None:
+    """One layer after a middle block, where a keep ratio's shape could only place a layer
+    after every block or none (0.28x or 1x)."""
+    model = create_model("deit_fashion", pool="conv", keep="0.82x").eval()
+    assert model.token_pooling.method == "conv"
+    placed = [i for i in range(6) if model.token_pooling.reducer(i) is not None]
+    assert len(placed) == 1 and 0 < placed[0] < 5
+    torch.manual_seed(1)
+    assert abs(_ratio(model, torch.randn(3, 1, 28, 28)) - 0.82) <= 0.02 * 0.82
 
 
 def test_the_solver_refuses_a_target_between_two_steps_and_names_them() -> None:

@@ -22,9 +22,11 @@ moves tokens between the blocks more than it moves rho.
 the target): ToMe's matching removes at most half of a block's tokens, and ToMe's users
 compare at a constant r.
 
-Token counts are integers, so a model's cost moves in steps: a method whose reachable costs
-step over the target by more than ``TOLERANCE`` (``conv``, whose 2x2 windows keep a quarter
-of the tokens at a time) is refused, naming the nearest costs it reaches. The trade-off sweep
+``conv`` is solved over its placements (one learned 2x2 downsampling after block j, or one
+after every block from j on): each keeps a quarter of the tokens, so its costs step
+coarsely. Token counts are integers, so every model's cost moves in steps: a method whose
+reachable costs step over the target by more than ``TOLERANCE`` is refused, naming the
+nearest costs it reaches. The trade-off sweep
 takes the cheapest point at most at the target instead (its rows record the GFLOPs reached).
 A FLOP counter sees every K-Means iteration (as an accelerator runs them), so its cost is a
 function of the token counts; K-Medoids counts the distances its C++ iterations compute,
@@ -135,6 +137,32 @@ def _solve_r(
     return KeepSchedule(remove=high), high_cost, (KeepSchedule(remove=low), low_cost)
 
 
+def _solve_conv(
+    target: float, *, depth: int, cost: Callable[[KeepSchedule], float]
+) -> tuple[KeepSchedule, float, tuple[KeepSchedule, float] | None]:
+    """``conv``'s placements: one layer after block j, or one after every block from j on
+    (each keeps a quarter of the tokens, so a keep ratio's shape would place all of them or
+    none). The costliest placement at most at ``target``, and the cheapest one above it."""
+    full = cost(KeepSchedule(blocks=(1.0,) * depth))
+    if full <= target:
+        return KeepSchedule(blocks=(1.0,) * depth), full, None
+
+    def at(*blocks: int) -> tuple[float, ...]:
+        return tuple(0.5 if i in blocks else 1.0 for i in range(depth))
+
+    candidates = {at(j) for j in range(depth)}
+    candidates |= {at(*range(j, depth)) for j in range(depth)}
+    costs = sorted((cost(KeepSchedule(blocks=c)), c) for c in candidates)
+    below = [(c, ratios) for c, ratios in costs if c <= target]
+    above = [(c, ratios) for c, ratios in costs if c > target] + [(full, (1.0,) * depth)]
+    next_up = (KeepSchedule(blocks=above[0][1]), above[0][0])
+    if not below:
+        raise ValueError(
+            f"conv at {target:g}x: out of reach, its cheapest placement costs {costs[0][0]:.3f}x the unpooled GFLOPs"
+        )
+    return KeepSchedule(blocks=below[-1][1]), below[-1][0], next_up
+
+
 def solve_gflops(
     schedule: KeepSchedule,
     *,
@@ -164,16 +192,17 @@ def solve_gflops(
                 "tilt and bend shape the keep ratios of the other methods"
             )
         solved, reached, next_up = _solve_r(target, num_tokens=num_tokens, cost=cost, name=name)
+    elif method == "conv":
+        if schedule.tilt != 0.0 or schedule.bend != 0.0:
+            raise ValueError(f"{name}: conv places whole layers; tilt and bend shape keep ratios")
+        solved, reached, next_up = _solve_conv(target, depth=depth, cost=cost)
     else:
         # Ratios that keep the same token counts in every block build the same reducers:
-        # the bisection's late steps cost nothing but this look-up. (conv places its layers
-        # from the counts its own windows leave, which these do not follow.)
+        # the bisection's late steps cost nothing but this look-up.
         memo: dict[tuple[float, ...], float] = {}
 
         def cost_of_ratios(ratios: list[float]) -> float:
-            key = (
-                tuple(ratios) if method == "conv" else tuple(map(float, effective_counts(ratios, num_tokens)))
-            )
+            key = tuple(map(float, effective_counts(ratios, num_tokens)))
             if key not in memo:
                 memo[key] = cost(KeepSchedule(blocks=tuple(ratios)))
             return memo[key]
