@@ -102,6 +102,10 @@ def test_conv_spends_a_gflops_budget_by_placing_its_layers() -> None:
     assert len(placed) == 1 and 0 < placed[0] < 5
     torch.manual_seed(1)
     assert abs(_ratio(model, torch.randn(3, 1, 28, 28)) - 0.82) <= 0.02 * 0.82
+    with pytest.raises(
+        ValueError, match=r"conv at 0\.1x: out of reach, its cheapest placement costs 0\.2\d\dx"
+    ):
+        create_model("deit_fashion", pool="conv", keep="0.1x")
 
 
 def test_the_solver_refuses_a_target_between_two_steps_and_names_them() -> None:

@@ -158,7 +158,8 @@ def _solve_conv(
     next_up = (KeepSchedule(blocks=above[0][1]), above[0][0])
     if not below:
         raise ValueError(
-            f"conv at {target:g}x: out of reach, its cheapest placement costs {costs[0][0]:.3f}x the unpooled GFLOPs"
+            f"conv at {target:g}x: out of reach, its cheapest placement costs "
+            f"{costs[0][0]:.3f}x the unpooled GFLOPs"
         )
     return KeepSchedule(blocks=below[-1][1]), below[-1][0], next_up
 
