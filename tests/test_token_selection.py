@@ -133,9 +133,24 @@ def test_bipartite_merge_matches_reference(k: int, fraction: float) -> None:
 def test_bipartite_merge_bad_k_and_fraction() -> None:
     with pytest.raises(ValueError, match="merged tokens"):
         bipartite_merge_plan(torch.randn(1, 4, 2), 0)
-    for fraction in (0.0, 0.6):
+    for fraction in (0.0, 0.6, (3, 5)):
         with pytest.raises(ValueError, match="round_fraction"):
             bipartite_merge_plan(torch.randn(1, 4, 2), 2, round_fraction=fraction)
+
+
+def test_round_fractions_are_sized_in_integers() -> None:
+    """The exact ratio of a float sizes every round as the float's floor does (the ratio
+    is what a module holds, for torch.compile)."""
+    import math
+
+    from leanformer.ops.merging import round_ratio
+
+    assert round_ratio(0.5) == (1, 2) and round_ratio(0.25) == (1, 4) and round_ratio(0.1) == (1, 10)
+    assert round_ratio(1 / 3) == (1, 3) and round_ratio((2, 7)) == (2, 7)
+    for fraction in (0.5, 0.25, 0.1, 1 / 3, 0.3, 0.45):
+        numerator, denominator = round_ratio(fraction)
+        for n in range(1, 1000):
+            assert n * numerator // denominator == math.floor(n * fraction + 1e-9), (fraction, n)
 
 
 def test_smaller_rounds_differ_from_tome_only_where_a_round_hits_its_cap() -> None:

@@ -59,7 +59,7 @@ from leanformer.ops.clustering import (
     kmedoids_pooled,
     weighted_segment_mean,
 )
-from leanformer.ops.merging import bipartite_merge_plan, check_round_fraction
+from leanformer.ops.merging import bipartite_merge_plan, round_ratio
 from leanformer.ops.token_selection import gather_tokens, importance_indices, random_indices, topk_indices
 
 
@@ -290,13 +290,13 @@ class TokenMerging(_Reducer):
 
     def __init__(self, *, keep: Budget, carry: bool = False, round_fraction: float = 0.5) -> None:
         super().__init__(keep=keep, carry=carry)
-        check_round_fraction(round_fraction)
         self.round_fraction = round_fraction
+        self.round_ratio = round_ratio(round_fraction)  # what forward reads: ints (see round_ratio)
 
     def _reduce(
         self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int, grid: Grid | None
     ) -> tuple[Tensor, Tensor | None, Tensor]:
-        assign = bipartite_merge_plan(tokens, k, sizes=sizes, round_fraction=self.round_fraction)
+        assign = bipartite_merge_plan(tokens, k, sizes=sizes, round_fraction=self.round_ratio)
         w = sizes if sizes is not None else tokens.new_ones(tokens.shape[:2])
         out, out_sizes = weighted_segment_mean(tokens, w.to(tokens.dtype), assign, k)
         return out, (out_sizes if sizes is not None else None), assign

@@ -20,7 +20,7 @@ reducer does not see).
 
 from __future__ import annotations
 
-import math
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -58,20 +58,37 @@ def check_round_fraction(round_fraction: float) -> None:
         raise ValueError(f"round_fraction must be in (0, 0.5], got {round_fraction!r}")
 
 
+def round_ratio(round_fraction: float | tuple[int, int]) -> tuple[int, int]:
+    """``round_fraction`` as ``(numerator, denominator)``, checked: 0.25 -> (1, 4).
+
+    Rounds are sized in integers: a float on a module would be traced by ``torch.compile``
+    as a symbolic value once two models sharing the host's code hold different ones, and
+    the floor of it restarted the trace (an extra graph); ints on a module stay constants.
+    """
+    if isinstance(round_fraction, tuple):
+        numerator, denominator = round_fraction
+        check_round_fraction(numerator / denominator)
+        return numerator, denominator
+    check_round_fraction(round_fraction)
+    exact = Fraction(round_fraction).limit_denominator(1 << 20)
+    return exact.numerator, exact.denominator
+
+
 @torch.no_grad()
 def bipartite_merge_plan(
-    x: Tensor, k: int, *, sizes: Tensor | None = None, round_fraction: float = 0.5
+    x: Tensor, k: int, *, sizes: Tensor | None = None, round_fraction: float | tuple[int, int] = 0.5
 ) -> Tensor:
     """Assignment ``[B, N]`` of every token to one of ``min(k, N)`` merged tokens (``k >= 1``).
 
     ``sizes [B, N]`` weight the means between rounds (ones when None). ``k >= N`` merges
     nothing: the identity assignment. One round removes at most ``round_fraction`` of the
-    tokens it sees (at least one), ``0 < round_fraction <= 0.5``.
+    tokens it sees (at least one), ``0 < round_fraction <= 0.5``, given as a float or as
+    ``(numerator, denominator)`` (:func:`round_ratio`).
     """
     B, N, _ = x.shape
     if k < 1:
         raise ValueError(f"number of merged tokens must be at least 1, got {k}")
-    check_round_fraction(round_fraction)
+    numerator, denominator = round_ratio(round_fraction)
     x = x.detach()
     w = torch.ones(B, N, dtype=x.dtype, device=x.device) if sizes is None else sizes.detach().to(x.dtype)
     assign = torch.arange(N, device=x.device).expand(B, N)
@@ -79,7 +96,7 @@ def bipartite_merge_plan(
     cur, cur_w = x, w
     while n > k:
         # Shapes only (no data): the number of rounds is fixed, so this compiles unrolled.
-        r = min(n - k, max(1, math.floor(n * round_fraction + 1e-9)))
+        r = min(n - k, max(1, n * numerator // denominator))
         step = _bipartite_round(cur, r)
         assign = step.gather(1, assign)
         n -= r
