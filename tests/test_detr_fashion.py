@@ -155,13 +155,81 @@ def test_eval_scores_a_detector_on_fashion_detect(tmp_path: Path, capsys) -> Non
     )
 
 
-def test_train_refuses_a_detection_data_set_before_writing(tmp_path: Path, capsys) -> None:
-    from leanformer.cli import main
+def _detection_data(tmp_path: Path) -> list[str]:
     from test_fashion_detect import write_fake_fashion
 
     write_fake_fashion(tmp_path)
-    data = ["--data", "fashion_detect", "--data-root", str(tmp_path), "--data.options.num_canvases", "3"]
+    options = ["--data.options.num_canvases", "6", "--data.img_size", "64", "--train.eval_split", "test"]
+    return ["--data", "fashion_detect", "--data-root", str(tmp_path), *options, "--batch-size", "3"]
+
+
+@pytest.mark.parametrize("enact", [True, False])
+def test_train_fits_a_detector_and_eval_reads_its_checkpoint(tmp_path: Path, capsys, enact: bool) -> None:
+    """The host's own matched loss, COCO AP on the evaluation split after every epoch, and
+    a checkpoint `eval` scores the same: with ENACT in the encoder and without."""
+    pytest.importorskip("pycocotools")
+    from leanformer.cli import main
+
     out = tmp_path / "run"
-    assert main(["train", "--model", "detr_fashion_test", *data, "--out", str(out), "--quiet"]) == 2
-    assert "fashion_detect is a detection data set" in capsys.readouterr().err
+    argv = ["train", "--model", "detr_fashion_test", "--opt", f"enact={enact}", *_detection_data(tmp_path)]
+    assert main([*argv, "--epochs", "2", "--out", str(out), "--json"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in rows] == [1, 2]
+    assert all(math.isfinite(row["train_loss"]) and 0 <= row["ap50"] <= 100 for row in rows)
+    assert "top1" not in rows[-1]
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(out), *_detection_data(tmp_path)[:4], "--json"]) == 0
+    scores = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 100 * scores["ap50"] == pytest.approx(rows[-1]["ap50"])
+
+
+def test_a_detector_resumes_exactly(tmp_path: Path) -> None:
+    pytest.importorskip("pycocotools")
+    from leanformer.config import load_config
+    from leanformer.engine.train import fit
+    from test_fashion_detect import write_fake_fashion
+
+    write_fake_fashion(tmp_path)
+    overrides = {
+        "model": "detr_fashion_test",
+        "data.name": "fashion_detect",
+        "data.root": str(tmp_path),
+        "data.img_size": "64",
+        "data.batch_size": "3",
+        "data.options": "{num_canvases: 6}",
+        "optim.epochs": "2",
+        "train.eval_split": "test",
+    }
+    whole = fit(load_config(None, overrides), out_dir=tmp_path / "whole", progress=False).history
+    cfg = load_config(None, overrides)
+    fit(cfg, out_dir=tmp_path / "parts", progress=False, stop_after_epochs=1)
+    parts = fit(cfg, out_dir=tmp_path / "parts", progress=False, resume=True).history
+    assert [{k: v for k, v in row.items() if k != "epoch_seconds"} for row in parts] == [
+        {k: v for k, v in row.items() if k != "epoch_seconds"} for row in whole
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--model", "deit_tiny"],
+            "deit_tiny is a classification model, but the dataset's targets are for detection",
+        ),
+        (["--model", "detr_fashion_test", "--aug.mixup", "0.8"], "for which aug.mixup do not apply"),
+        (
+            ["--model", "detr_fashion_test", "--aug.randaugment", "rand-m9"],
+            "for which aug.randaugment do not",
+        ),
+    ],
+)
+def test_train_refuses_what_a_detector_cannot_use_before_writing(
+    tmp_path: Path, capsys, extra: list[str], message: str
+) -> None:
+    from leanformer.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", *extra, *_detection_data(tmp_path), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not out.exists()

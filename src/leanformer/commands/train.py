@@ -141,9 +141,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         "checkpoint": str(out / "last.safetensors"),
     }
     if not args.json:
-        print(
-            f"{cfg.model}: top-1 {row['top1']:.2f}% after {row.get('epoch', 0)} epochs -> {row['checkpoint']}"
-        )
+        score = f"AP {row['ap']:.2f}" if "ap" in row else f"top-1 {row['top1']:.2f}%"
+        print(f"{cfg.model}: {score} after {row.get('epoch', 0)} epochs -> {row['checkpoint']}")
     return [row]
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sized
-from typing import cast
+from collections.abc import Callable, Sized
+from typing import Any, cast
 
 from torch.utils.data import DataLoader, Dataset
 
@@ -11,9 +11,17 @@ from leanformer.data.sampler import GlobalBatchSampler
 
 
 def train_loader(
-    dataset: Dataset, *, batch_size: int, seed: int, rank: int = 0, world_size: int = 1, num_workers: int = 0
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> DataLoader:
-    """Shuffled, last partial batch dropped, each global batch split across ranks."""
+    """Shuffled, last partial batch dropped, each global batch split across ranks;
+    ``collate_fn`` for items the default cannot stack (detection targets)."""
     sampler = GlobalBatchSampler(
         len(cast(Sized, dataset)),
         batch_size=batch_size,
@@ -22,7 +30,7 @@ def train_loader(
         rank=rank,
         world_size=world_size,
     )
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers)
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_fn)
 
 
 def eval_loader(dataset: Dataset, *, batch_size: int, num_workers: int = 0) -> DataLoader:

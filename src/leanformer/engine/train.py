@@ -39,6 +39,7 @@ from leanformer.config import (
     plain_options,
     to_dict,
 )
+from leanformer.data.fashion_detect import collate_detection
 from leanformer.data.loaders import eval_loader, train_loader
 from leanformer.data.recipe_augment import with_recipe_augmentation
 from leanformer.device import check_device
@@ -49,6 +50,12 @@ from leanformer.engine.checkpoint import (
     load_checkpoint,
     load_model,
     save_checkpoint,
+)
+from leanformer.engine.detection_train import (
+    check_detection_config,
+    detection_loss,
+    detection_scores,
+    targets_to,
 )
 from leanformer.engine.distill import soft_cross_entropy
 from leanformer.engine.distributed import DistInfo, barrier, cleanup_distributed, setup_distributed
@@ -417,15 +424,18 @@ def _fit(
     dist_info: DistInfo = setup_distributed(cfg.device)
     device = dist_info.device
     try:
-        train_set = with_recipe_augmentation(build_split(cfg.data, "train"), cfg.aug)
-        test_set = _eval_split(cfg)
+        train_set = build_split(cfg.data, "train")
         info = train_set.info  # type: ignore[attr-defined]
-        if info.task != "classification":
-            # Detection and segmentation targets need their own loss and collation.
+        detection = info.task == "detection"
+        if info.task not in ("classification", "detection"):
             raise ValueError(
                 f"train: {cfg.data.name} is a {info.task} data set; `leanformer train` trains "
-                "classifiers only (evaluate detectors with `leanformer eval`)"
+                "classifiers and detectors"
             )
+        if detection:
+            check_detection_config(cfg)
+        train_set = with_recipe_augmentation(train_set, cfg.aug)
+        test_set = _eval_split(cfg)
         torch.manual_seed(cfg.seed)  # identical initial weights on every process
         model, model_options = build_model(cfg.model, cfg.model_options, info)
         model.to(device)
@@ -436,6 +446,7 @@ def _fit(
             rank=dist_info.rank,
             world_size=dist_info.world_size,
             num_workers=cfg.data.num_workers,
+            collate_fn=collate_detection if detection else None,
         )
         test_loader = eval_loader(
             test_set, batch_size=cfg.data.eval_batch_size, num_workers=cfg.data.num_workers
@@ -447,14 +458,17 @@ def _fit(
         ema = build_ema(model, cfg.train)
         loss_fn = _LossFn(cfg, _build_teacher(cfg, info, device))
         sample_kwargs, query_gen = _query_sampler(cfg, model, cfg.seed)
-        _check_forward(
-            model,
-            loss_fn,
-            train_set,
-            device,
-            num_classes=info.num_classes,
-            batch_sizes=(cfg.data.batch_size, cfg.data.eval_batch_size),
-        )
+        if detection:
+            _check_detector(model, train_set, device)
+        else:
+            _check_forward(
+                model,
+                loss_fn,
+                train_set,
+                device,
+                num_classes=info.num_classes,
+                batch_sizes=(cfg.data.batch_size, cfg.data.eval_batch_size),
+            )
         # Dropout / drop-path randomness differs per process, as in any DDP run.
         torch.manual_seed(cfg.seed * 1000 + 1 + dist_info.rank)
 
@@ -527,13 +541,18 @@ def _fit(
                 loss_sum = torch.zeros((), dtype=torch.float64, device=device)
                 batches = progress_bar(loader, desc=f"epoch {epoch + 1}", show=show, leave=False)
                 for step, (inputs, target) in enumerate(batches):
-                    inputs, target = to_device(inputs, device), target.to(device)
-                    kwargs = sample_kwargs() if sample_kwargs is not None else {}
-                    if mix is not None:
-                        inputs, target = mix(inputs, target)
-                    with autocast_for(device, cfg.train.precision):
-                        logits = call_model(train_model, inputs, **kwargs)
-                        loss = loss_fn(logits, target, inputs)
+                    inputs = to_device(inputs, device)
+                    if detection:
+                        with autocast_for(device, cfg.train.precision):
+                            loss = detection_loss(train_model, inputs, targets_to(target, device))
+                    else:
+                        target = target.to(device)
+                        kwargs = sample_kwargs() if sample_kwargs is not None else {}
+                        if mix is not None:
+                            inputs, target = mix(inputs, target)
+                        with autocast_for(device, cfg.train.precision):
+                            logits = call_model(train_model, inputs, **kwargs)
+                            loss = loss_fn(logits, target, inputs)
                     # One host sync per step: a diverged run must stop before it overwrites anything.
                     if not torch.isfinite(loss).item():
                         discard = out is not None and dist_info.is_main and uncommitted()
@@ -556,20 +575,17 @@ def _fit(
                 train_loss = loss_sum.item() / max(1, steps_per_epoch)
                 if dist_info.is_main:
                     seconds = time.perf_counter() - started
-                    scores = evaluate(model, test_loader, device=device)
-                    metrics = {
-                        "epoch": epoch + 1,
-                        "train_loss": train_loss,
-                        "top1": scores["top1"],
-                        "test_loss": scores["loss"],
-                        "lr": float(scheduler.get_last_lr()[0]),
-                        "epoch_seconds": seconds,
-                    }
+                    metrics = {"epoch": epoch + 1, "train_loss": train_loss}
+                    metrics |= _scores(model, test_set, test_loader, cfg, device, detection=detection)
+                    metrics |= {"lr": float(scheduler.get_last_lr()[0]), "epoch_seconds": seconds}
                     if ema is not None:
-                        ema_scores = evaluate(ema.module, test_loader, device=device)
-                        metrics.update(top1_ema=ema_scores["top1"], test_loss_ema=ema_scores["loss"])
+                        ema_scores = _scores(
+                            ema.module, test_set, test_loader, cfg, device, detection=detection
+                        )
+                        metrics.update({f"{key}_ema": value for key, value in ema_scores.items()})
                     history.append(metrics)
-                    epochs.set_postfix(top1=f"{metrics['top1']:.1f}", loss=f"{train_loss:.3f}")
+                    headline = "ap" if detection else "top1"
+                    epochs.set_postfix({headline: f"{metrics[headline]:.1f}", "loss": f"{train_loss:.3f}"})
                 rng_states = _gather_rng(dist_info)
                 if out is not None and dist_info.is_main:
                     # The checkpoint's rename commits the epoch; the views follow it.
@@ -608,6 +624,30 @@ def _fit(
         )
     finally:
         cleanup_distributed(dist_info)
+
+
+def _scores(
+    model: nn.Module, dataset: Any, loader: Any, cfg: RunConfig, device: torch.device, *, detection: bool
+) -> dict[str, float]:
+    """An epoch's scores on the evaluation split: ``top1`` and ``test_loss`` of a classifier,
+    ``ap``, ``ap50`` and ``ap75`` of a detector."""
+    if detection:
+        return detection_scores(model, dataset, batch_size=cfg.data.eval_batch_size, device=device)
+    scores = evaluate(model, loader, device=device)
+    return {"top1": scores["top1"], "test_loss": scores["loss"]}
+
+
+def _check_detector(model: nn.Module, dataset: Any, device: torch.device) -> None:
+    """A detector's loss on one training example, before anything is written (a model that
+    is not a detector, or targets it cannot read, fail here). The RNG is restored."""
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        images, targets = collate_detection([dataset[0]])
+        was_training = model.training
+        model.eval()
+        try:
+            detection_loss(model, images.to(device), targets_to(targets, device))
+        finally:
+            model.train(was_training)
 
 
 def _eval_split(cfg: RunConfig) -> Any:
