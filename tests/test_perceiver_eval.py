@@ -95,3 +95,62 @@ def test_attention_maps(tmp_path: Path) -> None:
         save_attention_grid(maps[0], tmp_path / "b.png")
     with pytest.raises(ValueError, match="cross_attention_maps"):
         average_cross_attention(create_model("deit_test"), loader)
+
+
+def test_the_command_reads_ema_weights_and_a_validation_split(tmp_path: Path, capsys) -> None:
+    """``--ema`` scores the EMA a run kept (the same top-1 at K=Q as `eval --ema`), and
+    ``--split val`` the images ``--data.options.validation`` holds out (``--limit`` of them)."""
+    import json
+
+    from leanformer.cli import main
+
+    run = tmp_path / "run"
+    data = ["--data", "digits", "--img-size", "16"]
+    train = ["train", "--model", "visual_perceiver_test", *data, "--epochs", "1", "--train.ema", "true"]
+    assert main([*train, "--data.limit_train", "64", "--out", str(run), "--quiet"]) == 0
+    table = ["perceiver-eval", "--ks", "8", "--reps", "0", "--time-batch", "0", "--thresholds", "0.9"]
+    table += ["--json", "--overwrite", "--out", str(tmp_path / "pe")]
+    capsys.readouterr()
+    for ema in (False, True):
+        flags = ["--ema"] if ema else []
+        assert main([*table, "--checkpoint", str(run), *flags]) == 0
+        rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+        by_k = next(row for row in rows if row.get("table") == "by_k" and row["k"] == 8)
+        assert main(["eval", "--checkpoint", str(run), *flags, "--json", "--quiet"]) == 0
+        assert by_k["top1"] == pytest.approx(json.loads(capsys.readouterr().out.splitlines()[-1])["top1"])
+    from leanformer.data.fashion_mnist import is_available
+
+    if not is_available():
+        return  # the validation split below is Fashion-MNIST's
+    val = [
+        "--model",
+        "visual_perceiver_test",
+        "--data",
+        "fashion_mnist",
+        "--split",
+        "val",
+        "--img-size",
+        "16",
+    ]
+    assert main([*table, *val, "--data.options.validation", "500", "--limit", "20"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [row["k"] for row in rows if row.get("table") == "by_k"] == [8]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--model", "visual_perceiver_test", "--ema"],
+            "--ema evaluates the EMA weights a training run kept",
+        ),
+        (["--pretrained"], "--pretrained loads the shipped weights of --model NAME"),
+        (["--model", "visual_perceiver_test", "--optim.lr", "1"], "takes data overrides only"),
+    ],
+)
+def test_the_command_refuses_flags_without_their_weights(argv: list[str], message: str, capsys) -> None:
+    from leanformer.cli import main
+
+    assert main(["perceiver-eval", *argv, "--data", "digits", "--out", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

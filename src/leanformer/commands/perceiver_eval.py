@@ -16,14 +16,30 @@ from leanformer.commands._perceiver import load_perceiver
 from leanformer.models.query_budget import query_budget
 
 COMMAND = ("perceiver-eval",)
+ACCEPTS_OVERRIDES = True  # data options: --data.options.validation 10000 for --split val
 DEFAULT_KS = "1,2,4,8,16,32,48,64"
 HELP = "Visual Perceiver tables: accuracy / GMACs / time per query count, random baseline, DQS sweep"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", help="a last.safetensors of a trained Visual Perceiver")
-    parser.add_argument("--model", help="a registered Perceiver (untrained) when no checkpoint is given")
-    parser.add_argument("--split", default="test", choices=("train", "test"))
+    parser.add_argument(
+        "--model", help="a registered Perceiver (untrained unless --pretrained) without a checkpoint"
+    )
+    parser.add_argument(
+        "--pretrained", action="store_true", help="with --model: the weights shipped with leanformer"
+    )
+    parser.add_argument(
+        "--ema",
+        action="store_true",
+        help="with --checkpoint: the EMA of the weights a run trained with --ema kept",
+    )
+    parser.add_argument(
+        "--split",
+        default="test",
+        choices=("train", "test", "val"),
+        help="val: the split --data.options.validation N holds out of the training images",
+    )
     parser.add_argument("--limit", type=int, help="evaluate on the first N images only")
     parser.add_argument(
         "--ks",
