@@ -240,6 +240,16 @@ def refuse_beside_checkpoint(
         )
 
 
+def add_split_argument(parser: argparse.ArgumentParser) -> None:
+    """``--split`` of the commands that evaluate: test (default), train, or val."""
+    parser.add_argument(
+        "--split",
+        default="test",
+        choices=("train", "test", "val"),
+        help="val: the split --data.options.validation N holds out of the training images",
+    )
+
+
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser.add_argument_group("data"), "data")
 

@@ -15,6 +15,7 @@ from leanformer.commands._options import (
     add_config_flags,
     add_data_arguments,
     add_model_arguments,
+    add_split_argument,
     config_flags_given,
     dotted_overrides,
     forward_kwargs,
@@ -36,12 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="load a checkpoint whose weights hold NaN or inf (refused otherwise)",
     )
     parser.add_argument("--config", help="YAML config (for the data) when no checkpoint is given")
-    parser.add_argument(
-        "--split",
-        default="test",
-        choices=("train", "test", "val"),
-        help="val: the split --data.options.validation N holds out of the training images",
-    )
+    add_split_argument(parser)
     add_model_arguments(parser)
     add_host_arguments(parser)
     add_data_arguments(parser)

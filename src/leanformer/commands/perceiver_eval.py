@@ -11,7 +11,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from leanformer.commands._options import add_data_arguments, dqs_thresholds, float_list, int_list
+from leanformer.commands._options import (
+    add_data_arguments,
+    add_split_argument,
+    dqs_thresholds,
+    float_list,
+    int_list,
+)
 from leanformer.commands._perceiver import load_perceiver
 from leanformer.models.query_budget import query_budget
 
@@ -34,12 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --checkpoint: the EMA of the weights a run trained with --ema kept",
     )
-    parser.add_argument(
-        "--split",
-        default="test",
-        choices=("train", "test", "val"),
-        help="val: the split --data.options.validation N holds out of the training images",
-    )
+    add_split_argument(parser)
     parser.add_argument("--limit", type=int, help="evaluate on the first N images only")
     parser.add_argument(
         "--ks",
