@@ -217,6 +217,7 @@ def test_a_detector_resumes_exactly(tmp_path: Path) -> None:
             "deit_tiny is a classification model, but the dataset's targets are for detection",
         ),
         (["--model", "detr_fashion_test", "--aug.mixup", "0.8"], "for which aug.mixup do not apply"),
+        (["--model", "detr_fashion_test", "--data.eval_batch_size", "1000000000"], "would need about"),
         (
             ["--model", "detr_fashion_test", "--aug.randaugment", "rand-m9"],
             "for which aug.randaugment do not",

@@ -279,9 +279,9 @@ def _check_forward(
     batch_sizes: tuple[int, int],
 ) -> None:
     """One forward pass and loss on one training example, before anything is written: a
-        model that does not fit the data (an image size the patch size does not divide, fewer
-        outputs than the data has classes) or a teacher that does not fit the student fails
-        here, not after the run folder exists, and so does a batch the machine's memory cannot
+    model that does not fit the data (an image size the patch size does not divide, fewer
+    outputs than the data has classes) or a teacher that does not fit the student fails
+    here, not after the run folder exists, and so does a batch the machine's memory cannot
     hold. The RNG is restored, so training is unchanged."""
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         inputs, target = default_collate([dataset[0]])
@@ -459,7 +459,9 @@ def _fit(
         loss_fn = _LossFn(cfg, _build_teacher(cfg, info, device))
         sample_kwargs, query_gen = _query_sampler(cfg, model, cfg.seed)
         if detection:
-            _check_detector(model, train_set, device)
+            _check_detector(
+                model, train_set, device, batch_sizes=(cfg.data.batch_size, cfg.data.eval_batch_size)
+            )
         else:
             _check_forward(
                 model,
@@ -637,17 +639,36 @@ def _scores(
     return {"top1": scores["top1"], "test_loss": scores["loss"]}
 
 
-def _check_detector(model: nn.Module, dataset: Any, device: torch.device) -> None:
+def _check_detector(
+    model: nn.Module, dataset: Any, device: torch.device, *, batch_sizes: tuple[int, int]
+) -> None:
     """A detector's loss on one training example, before anything is written (a model that
-    is not a detector, or targets it cannot read, fail here). The RNG is restored."""
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        images, targets = collate_detection([dataset[0]])
-        was_training = model.training
-        model.eval()
-        try:
-            detection_loss(model, images.to(device), targets_to(targets, device))
-        finally:
-            model.train(was_training)
+    is not a detector, or targets it cannot read, fail here), and the batches measured
+    against the machine's memory as a classifier's are. The RNG is restored."""
+    from leanformer.memory_budget import check_batch_fits
+
+    images, targets = collate_detection([dataset[0]])
+    images, targets = images.to(device), targets_to(targets, device)
+    was_training = model.training
+    model.eval()  # as in _check_batch_memory: batch-norm statistics stay as they are
+    try:
+        with torch.random.fork_rng(devices=[]):
+            with torch.no_grad():
+                detection_loss(model, images, targets)
+            for what, batch, keeps_activations in (
+                ("data.batch_size", batch_sizes[0], True),
+                ("data.eval_batch_size", batch_sizes[1], False),
+            ):
+                with torch.set_grad_enabled(keeps_activations):
+                    check_batch_fits(
+                        lambda: detection_loss(model, images, targets),
+                        input_bytes=images.numel() * images.element_size(),
+                        batch_size=batch,
+                        what=what,
+                        device=device,
+                    )
+    finally:
+        model.train(was_training)
 
 
 def _eval_split(cfg: RunConfig) -> Any:
