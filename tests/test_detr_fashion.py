@@ -234,3 +234,33 @@ def test_train_refuses_what_a_detector_cannot_use_before_writing(
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not out.exists()
+
+
+def test_visualize_enact_draws_a_detectors_boxes_and_regions(tmp_path: Path, capsys) -> None:
+    """The regions drawn are those the detector's first ENACT layer used on that canvas."""
+    from leanformer.cli import main
+    from leanformer.data.fashion_detect import build_fashion_detect
+    from leanformer.patch.transformers.detr import enact_layers
+    from test_fashion_detect import write_fake_fashion
+
+    write_fake_fashion(tmp_path)
+    out = tmp_path / "maps.png"
+    argv = ["visualize", "enact", "--detector", "detr_fashion_test", "--data-root", str(tmp_path)]
+    assert main([*argv, "--canvas", "1", "--out", str(out), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out.stat().st_size > 0 and row["out"] == str(out)
+    torch.manual_seed(0)
+    model = leanformer.create_model("detr_fashion_test").eval()
+    image, truth = build_fashion_detect(split="test", root=str(tmp_path), num_canvases=2, img_size=64)[1]
+    model.predict(image[None])
+    first = enact_layers(model.detector)[0]
+    assert row["regions"] == int(first.last_cluster_counts[0]) and row["objects"] == len(truth["labels"])
+    for extra, message in (
+        (["--detector", "detr_fashion"], "has no ENACT encoder layer"),
+        (["--detector", "detr_fashion_test", "--image", "china"], "--image draws a photo"),
+        (["--pretrained"], "--pretrained goes with --detector"),
+        (["--detector", "detr_fashion_test", "--canvas", "-1"], "--canvas must be >= 0"),
+    ):
+        assert main(["visualize", "enact", *extra, "--data-root", str(tmp_path), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err

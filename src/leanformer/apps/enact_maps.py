@@ -108,8 +108,15 @@ def enact_maps(image: Tensor, stem: nn.Module, attn: EntropyClusteredAttention) 
     with torch.no_grad():
         feats = stem(((image - mean) / std)[None])  # [1, C, H, W]
         _, _, H, W = feats.shape
-        x = feats.flatten(2).transpose(1, 2)  # [1, HW, C]
-        entropy = attn.entropy(x, None)  # [1, HW]
+        return maps_of_tokens(feats.flatten(2).transpose(1, 2), (H, W), attn)
+
+
+def maps_of_tokens(tokens: Tensor, shape: tuple[int, int], attn: EntropyClusteredAttention) -> EnactMaps:
+    """The maps of ``attn`` for one map's tokens ``[1, HW, C]`` (what its queries and keys
+    are computed from) on an ``(H, W)`` grid."""
+    H, W = shape
+    with torch.no_grad():
+        entropy = attn.entropy(tokens, None)  # [1, HW]
         signs = curvature_signs(entropy.view(1, H, W), sigma=attn.sigma)
         plan = plan_from_signs(signs.view(1, H * W))
     return EnactMaps(
