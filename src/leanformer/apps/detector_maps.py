@@ -12,14 +12,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from torch import Tensor, nn
 
-from leanformer.apps.enact_maps import EnactMaps, maps_of_tokens
-from leanformer.apps.plots import save_figure
+from leanformer.apps.enact_maps import (
+    EnactMaps,
+    boundary_overlay,
+    finish_figure,
+    maps_of_tokens,
+    region_colours,
+)
 
 
 def detector_maps(model: nn.Module, image: Tensor) -> tuple[dict[str, Tensor], EnactMaps]:
@@ -86,20 +90,9 @@ def plot_detector_maps(
         axes[0].add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, edgecolor="red", lw=1.2))
         axes[0].text(x0, y0, f"{class_names[label]} {score:.2f}", color="red", fontsize=7, va="bottom")
     axes[0].set_title(f"true (green), detected >= {min_score:g} (red): {int(kept.sum())}", fontsize=9)
-    gen = torch.Generator().manual_seed(0)
-    colours = torch.randperm(int(regions.max()) + 1, generator=gen)[regions]
-    axes[1].imshow(colours.numpy(), cmap="tab20", interpolation="nearest")
+    axes[1].imshow(region_colours(regions).numpy(), cmap="tab20", interpolation="nearest")
     axes[1].set_title(f"ENACT regions, first encoder layer: {maps.count} for {H * W}", fontsize=9)
-    starts = torch.zeros(H, W, dtype=torch.bool)
-    starts[:, 1:] = regions[:, 1:] != regions[:, :-1]
-    overlay = torch.zeros(H, W, 4)
-    overlay[starts] = torch.tensor([1.0, 0.1, 0.1, 0.9])
     axes[2].imshow(picture, cmap="gray")
-    axes[2].imshow(overlay.numpy(), extent=extent, interpolation="nearest")
+    axes[2].imshow(boundary_overlay(regions).numpy(), extent=extent, interpolation="nearest")
     axes[2].set_title("region boundaries within rows", fontsize=9)
-    for ax in axes:
-        ax.set_xticks([])
-        ax.set_yticks([])
-    fig.suptitle(title)
-    fig.tight_layout()
-    return save_figure(fig, out, dpi=110)
+    return finish_figure(fig, axes, title, out)

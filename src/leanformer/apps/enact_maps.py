@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -127,14 +128,38 @@ def maps_of_tokens(tokens: Tensor, shape: tuple[int, int], attn: EntropyClustere
     )
 
 
+def region_colours(regions: Tensor) -> Tensor:
+    """Region ids ``[H, W]`` shuffled by a fixed permutation, so neighbouring regions get
+    different colours of a qualitative map."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randperm(int(regions.max()) + 1, generator=gen)[regions]
+
+
+def boundary_overlay(regions: Tensor) -> Tensor:
+    """An RGBA ``[H, W, 4]`` overlay marking where a region starts inside a row. Regions are
+    row-major runs: each is a horizontal segment of one row (or wraps from a row's end to
+    the next row's start)."""
+    H, W = regions.shape
+    starts = torch.zeros(H, W, dtype=torch.bool)
+    starts[:, 1:] = regions[:, 1:] != regions[:, :-1]
+    overlay = torch.zeros(H, W, 4)
+    overlay[starts] = torch.tensor([1.0, 0.1, 0.1, 0.9])
+    return overlay
+
+
+def finish_figure(fig: Figure, axes: Any, title: str, out: Path) -> Path:
+    """No ticks, the title, a tight layout, saved to ``out``; returns the file."""
+    for ax in axes:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(title)
+    fig.tight_layout()
+    return save_figure(fig, out, dpi=110)
+
+
 def plot_enact_maps(image: Tensor, maps: EnactMaps, out: Path, *, title: str) -> Path:
     """Input, entropy, curvature signs, regions and region boundaries side by side; returns the file."""
     regions = maps.regions
-    H, W = regions.shape
-    # Regions are row-major runs: each is a horizontal segment of one row (or wraps from
-    # a row's end to the next row's start). Mark where a run starts inside a row.
-    starts = torch.zeros(H, W, dtype=torch.bool)
-    starts[:, 1:] = regions[:, 1:] != regions[:, :-1]
     img = image.permute(1, 2, 0).clamp(0, 1).numpy()
     extent = (0, image.shape[2], image.shape[1], 0)
     # An Agg canvas of its own, as in leanformer.apps.plots: pyplot's global backend is left alone.
@@ -148,19 +173,9 @@ def plot_enact_maps(image: Tensor, maps: EnactMaps, out: Path, *, title: str) ->
     fig.colorbar(im, ax=axes[1], fraction=0.035)
     axes[2].imshow(maps.signs.float().numpy() * 2 - 1, cmap="coolwarm", vmin=-1, vmax=1)
     axes[2].set_title("curvature sign (+1 concave)")
-    # Neighbouring regions get different colours: a fixed shuffle of the region ids.
-    gen = torch.Generator().manual_seed(0)
-    colours = torch.randperm(int(regions.max()) + 1, generator=gen)[regions]
-    axes[3].imshow(colours.numpy(), cmap="tab20", interpolation="nearest")
+    axes[3].imshow(region_colours(regions).numpy(), cmap="tab20", interpolation="nearest")
     axes[3].set_title(f"regions ({int(regions.max()) + 1})")
     axes[4].imshow(img)
-    overlay = torch.zeros(H, W, 4)
-    overlay[starts] = torch.tensor([1.0, 0.1, 0.1, 0.9])
-    axes[4].imshow(overlay.numpy(), extent=extent, interpolation="nearest")
+    axes[4].imshow(boundary_overlay(regions).numpy(), extent=extent, interpolation="nearest")
     axes[4].set_title("region boundaries within rows")
-    for ax in axes:
-        ax.set_xticks([])
-        ax.set_yticks([])
-    fig.suptitle(title)
-    fig.tight_layout()
-    return save_figure(fig, out, dpi=110)
+    return finish_figure(fig, axes, title, out)
