@@ -22,27 +22,24 @@ import torch
 
 from leanformer.bench.results import markdown_rows, results_path, run_stamp, write_jsonl
 from leanformer.bench.timing import time_interleaved
+from leanformer.commands._options import int_list
 from leanformer.data.fashion_detect import build_fashion_detect
 from leanformer.models.registry import create_model
 
 MODELS = ("detr_fashion", "detr_fashion_enact")
 
 
-def _int_list(text: str) -> list[int]:
-    values = [int(part) for part in text.split(",") if part.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"a comma-separated list of positive ints, got {text!r}")
-    return values
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=_int_list, default=[1, 2])
-    p.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
+    p.add_argument("--threads", type=int_list, default=[1, 2])
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 8])
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--runs", type=int, default=7)
     p.add_argument("--out", default=str(results_path("detr_fashion")))
     args = p.parse_args()
+    for flag, values in (("--threads", args.threads), ("--batch-sizes", args.batch_sizes)):
+        if not values or min(values) < 1:
+            p.error(f"{flag} takes a comma-separated list of positive ints, got {values}")
 
     models = {}
     for name in MODELS:

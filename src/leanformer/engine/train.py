@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -299,49 +299,41 @@ def _check_forward(
                 "classes (is num_classes set in the model options?)"
             )
         loss_fn(logits, target, inputs)
-    _check_batch_memory(model, loss_fn, inputs, target, batch_sizes=batch_sizes)
+    leaves = torch.utils._pytree.tree_leaves(inputs)
+    _check_batch_memory(
+        model,
+        lambda: loss_fn(call_model(model, inputs), target, inputs),
+        input_bytes=sum(x.numel() * x.element_size() for x in leaves if isinstance(x, Tensor)),
+        batch_sizes=batch_sizes,
+        device=device,
+    )
 
 
 def _check_batch_memory(
-    model: nn.Module, loss_fn: _LossFn, inputs: Any, target: Tensor, *, batch_sizes: tuple[int, int]
+    model: nn.Module,
+    run_example: Callable[[], Any],
+    *,
+    input_bytes: int,
+    batch_sizes: tuple[int, int],
+    device: torch.device,
 ) -> None:
     """Refuse a training or evaluation batch too large for the machine, measured on one
-    example: a training example keeps its activations for the backward pass, an
-    evaluation example only the largest of them."""
+    example (``run_example``: its forward pass and loss): a training example keeps its
+    activations for the backward pass, an evaluation example only the largest of them."""
     from leanformer.memory_budget import check_batch_fits
 
-    train_batch, eval_batch = batch_sizes
-    leaves = torch.utils._pytree.tree_leaves(inputs)
-    input_bytes = sum(x.numel() * x.element_size() for x in leaves if isinstance(x, Tensor))
-    device = target.device
-
-    # Both in eval mode: a training-mode pass would move batch-norm statistics. With
-    # gradients on, the pass keeps what the backward pass needs, as training does.
-    def train_forward() -> None:
-        loss_fn(call_model(model, inputs), target, inputs)
-
-    def eval_forward() -> None:
-        with torch.no_grad():
-            call_model(model, inputs)
-
     was_training = model.training
-    model.eval()
+    model.eval()  # a training-mode pass would move batch-norm statistics
     try:
         with torch.random.fork_rng(devices=[]):
-            check_batch_fits(
-                train_forward,
-                input_bytes=input_bytes,
-                batch_size=train_batch,
-                what="data.batch_size",
-                device=device,
-            )
-            check_batch_fits(
-                eval_forward,
-                input_bytes=input_bytes,
-                batch_size=eval_batch,
-                what="data.eval_batch_size",
-                device=device,
-            )
+            for what, batch, keeps_activations in (
+                ("data.batch_size", batch_sizes[0], True),
+                ("data.eval_batch_size", batch_sizes[1], False),
+            ):
+                with torch.set_grad_enabled(keeps_activations):
+                    check_batch_fits(
+                        run_example, input_bytes=input_bytes, batch_size=batch, what=what, device=device
+                    )
     finally:
         model.train(was_training)
 
@@ -645,30 +637,22 @@ def _check_detector(
     """A detector's loss on one training example, before anything is written (a model that
     is not a detector, or targets it cannot read, fail here), and the batches measured
     against the machine's memory as a classifier's are. The RNG is restored."""
-    from leanformer.memory_budget import check_batch_fits
-
     images, targets = collate_detection([dataset[0]])
     images, targets = images.to(device), targets_to(targets, device)
     was_training = model.training
-    model.eval()  # as in _check_batch_memory: batch-norm statistics stay as they are
+    model.eval()
     try:
-        with torch.random.fork_rng(devices=[]):
-            with torch.no_grad():
-                detection_loss(model, images, targets)
-            for what, batch, keeps_activations in (
-                ("data.batch_size", batch_sizes[0], True),
-                ("data.eval_batch_size", batch_sizes[1], False),
-            ):
-                with torch.set_grad_enabled(keeps_activations):
-                    check_batch_fits(
-                        lambda: detection_loss(model, images, targets),
-                        input_bytes=images.numel() * images.element_size(),
-                        batch_size=batch,
-                        what=what,
-                        device=device,
-                    )
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            detection_loss(model, images, targets)
     finally:
         model.train(was_training)
+    _check_batch_memory(
+        model,
+        lambda: detection_loss(model, images, targets),
+        input_bytes=images.numel() * images.element_size(),
+        batch_sizes=batch_sizes,
+        device=device,
+    )
 
 
 def _eval_split(cfg: RunConfig) -> Any:
