@@ -147,7 +147,6 @@ def solved_budget(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -
     """``keep_schedule`` (the per-block budgets a GFLOPs fraction such as ``0.5x`` was solved
     into) and ``gflops_ratio`` (the model's GFLOPs over its unpooled copy's, counted on
     ``inputs``); None for a model without such a budget."""
-    from leanformer.layers.budgets import effective_counts
     from leanformer.layers.pooling_state import TokenPooling
 
     pooling = getattr(model, "token_pooling", None)
@@ -169,9 +168,7 @@ def solved_budget(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -
         text = ",".join(f"{b:.3g}" if isinstance(b, float) else str(b) for b in schedule.blocks)
     else:
         text = str(schedule)
-    counts = effective_counts(
-        schedule.per_block(depth=pooling.depth, num_tokens=pooling.num_tokens), pooling.num_tokens
-    )
+    counts = pooling.counts_after_blocks(pooling.num_tokens, pooling.grid_size)
     return {
         "keep_schedule": f"{text} (patch tokens after each block: {','.join(map(str, counts))})",
         "gflops_ratio": ratio,

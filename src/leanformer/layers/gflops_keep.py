@@ -22,9 +22,10 @@ moves tokens between the blocks more than it moves rho.
 the target): ToMe's matching removes at most half of a block's tokens, and ToMe's users
 compare at a constant r.
 
-``conv`` is solved over its placements (one learned 2x2 downsampling after block j, or one
-after every block from j on): each keeps a quarter of the tokens, so its costs step
-coarsely. Token counts are integers, so every model's cost moves in steps: a method whose
+``conv`` is solved over its placements (one learned 2x2 downsampling after block j, two
+after blocks j < k, or one after every block from j on): each keeps a quarter of the
+tokens, so its costs step coarsely; the second layer of a pair fills the steps between
+two single placements. Token counts are integers, so every model's cost moves in steps: a method whose
 reachable costs step over the target by more than ``TOLERANCE`` is refused, naming the
 nearest costs it reaches. The trade-off sweep
 takes the cheapest point at most at the target instead (its rows record the GFLOPs reached).
@@ -140,17 +141,22 @@ def _solve_r(
 def _solve_conv(
     target: float, *, depth: int, cost: Callable[[KeepSchedule], float]
 ) -> tuple[KeepSchedule, float, tuple[KeepSchedule, float] | None]:
-    """``conv``'s placements: one layer after block j, or one after every block from j on
-    (each keeps a quarter of the tokens, so a keep ratio's shape would place all of them or
-    none). The costliest placement at most at ``target``, and the cheapest one above it."""
+    """``conv``'s placements: one layer after block j, two after blocks j < k, or one after
+    every block from j on (each keeps a quarter of the tokens, so a keep ratio's shape would
+    place all of them or none). The costliest placement at most at ``target``, and the
+    cheapest one above it."""
     full = cost(KeepSchedule(blocks=(1.0,) * depth))
     if full <= target:
         return KeepSchedule(blocks=(1.0,) * depth), full, None
 
     def at(*blocks: int) -> tuple[float, ...]:
-        return tuple(0.5 if i in blocks else 1.0 for i in range(depth))
+        # A quarter, what each layer keeps: the conv builder places a layer wherever a
+        # block keeps at most half of what it receives, on odd counts too (half of 49
+        # tokens rounds to 25, above the 24 of the rule).
+        return tuple(0.25 if i in blocks else 1.0 for i in range(depth))
 
     candidates = {at(j) for j in range(depth)}
+    candidates |= {at(j, k) for j in range(depth) for k in range(j + 1, depth)}
     candidates |= {at(*range(j, depth)) for j in range(depth)}
     costs = sorted((cost(KeepSchedule(blocks=c)), c) for c in candidates)
     below = [(c, ratios) for c, ratios in costs if c <= target]

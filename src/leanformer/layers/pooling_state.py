@@ -137,20 +137,24 @@ class TokenPooling(nn.Module):
         # Every entry passed the TokenReducer check in _as_module_dict.
         return cast(TokenReducer, self.reducers[key]) if key in self.reducers else None
 
+    def counts_after_blocks(self, n: int, grid: Grid | None = None) -> list[int]:
+        """Patch tokens after each block for ``n`` entering the first, as the reducers keep
+        them (``grid``: the patches' raster, when known; conv's windows round odd sides up,
+        which a keep ratio does not say)."""
+        counts = []
+        for i in range(self.depth):
+            reducer = self.reducer(i)
+            if reducer is not None:
+                after = count_after(cast(BudgetedReducer, reducer), n, grid)
+                grid, n = grid_after(reducer, grid, n, after), after
+            counts.append(n)
+        return counts
+
     def entry_count(self, n: int, grid: Grid | None = None) -> int:
         """Patch tokens the ``entry`` step keeps of ``n`` (:func:`~leanformer.layers.reducer.entry_count`),
         from what the blocks' reducers keep without it (``grid``: the patches' raster, when known)."""
-        counts = [n]  # tokens after each block (a block without a reducer keeps them all)
-        for i in range(self.depth):
-            reducer = self.reducer(i)
-            before = counts[-1]
-            if reducer is None:
-                counts.append(before)
-                continue
-            after = count_after(cast(BudgetedReducer, reducer), before, grid)
-            grid = grid_after(reducer, grid, before, after)
-            counts.append(after)
-        return entry_count(n, first=counts[1], last=counts[-1])
+        counts = self.counts_after_blocks(n, grid)
+        return entry_count(n, first=counts[0], last=counts[-1])
 
     @property
     def sizes(self) -> Tensor | None:
