@@ -10,7 +10,7 @@ from typing import TypeVar
 import pytest
 import torch
 
-from leanformer.ops.clustering import init_centers
+from leanformer.ops.kmedoids import init_centers
 
 T = TypeVar("T")
 

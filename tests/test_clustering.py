@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from leanformer.ops.attention import attention
-from leanformer.ops.clustering import (
+from leanformer.ops.kmedoids import (
     ClusterPlan,
     cluster_mean,
     cluster_sizes,
@@ -189,7 +189,7 @@ def test_a_cluster_of_weight_zero_takes_its_lowest_index_as_medoid() -> None:
 def test_distances_for_moved_medoids_only_give_the_plan_of_all_pairs(weighted: bool, monkeypatch) -> None:
     """Eager CPU (C++) recomputes the distances of the medoids that moved; compiled and
     accelerator runs compute them afresh. Same plans, on data where many medoids move."""
-    from leanformer.ops import clustering
+    from leanformer.ops import kmedoids as clustering
 
     x, w = _data(b=5, n=60, c=3, seed=9)
     weights = w if weighted else None
@@ -210,7 +210,7 @@ def test_distances_for_moved_medoids_only_give_the_plan_of_all_pairs(weighted: b
 @pytest.mark.parametrize("weighted", [False, True])
 def test_medoid_updates_from_means_and_from_pairs_agree(weighted: bool) -> None:
     """The two forms of eq. 12 pick the same medoids, with N > C and with N < C."""
-    from leanformer.ops.clustering import _medoids_from_means, _medoids_from_pairs, token_sq_dists
+    from leanformer.ops.kmedoids import _medoids_from_means, _medoids_from_pairs, token_sq_dists
 
     for n, c in ((50, 3), (20, 40)):
         x, w = _data(b=6, n=n, c=c, seed=c)
@@ -228,7 +228,7 @@ def test_large_n_plans_agree_every_way(k: int, monkeypatch) -> None:
     """High-resolution sizes (600 tokens): eager (the C++ iterations, which recompute the
     medoid table where medoids moved), the table recomputed every update, and the update
     from all N x N distances give one plan."""
-    from leanformer.ops import clustering
+    from leanformer.ops import kmedoids as clustering
 
     x, w = _data(b=2, n=600, c=8, seed=k)
     init = init_centers(
@@ -317,7 +317,7 @@ def test_repeating_stops_after_the_first_step_that_changes_nothing(where: str, m
     """5 -> 2 -> 1 -> 0 -> 0: the fourth step changes nothing, and no step runs after it,
     eager (the flag read back) and compiled for the CPU (a branch in the graph); where
     neither is free (an accelerator) every step runs, with the same result."""
-    from leanformer.ops import clustering
+    from leanformer.ops import kmedoids as clustering
 
     def repeat(x: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return clustering._repeat_while_changing(_halve, (x, steps), 10)
@@ -345,7 +345,7 @@ def test_compiled_plans_equal_eager(
     ``max_iters``, stopped while the plan still changes (2) or past its fixed point
     (10), in one graph. Tokens close to a line, seeds found by search: the plan changes
     in the first 4-7 iterations."""
-    from leanformer.ops import clustering
+    from leanformer.ops import kmedoids as clustering
 
     monkeypatch.setattr(clustering, "_OPAQUE_FROM_TOKENS", 1 if opaque else 10**9)
     g = torch.Generator().manual_seed(seed)
@@ -441,7 +441,7 @@ def test_kmeans_cluster_emptied_mid_run_keeps_its_centre_on_every_path(monkeypat
     """A cluster that loses every member keeps its previous centre; eager CPU (the C++
     iterations, or the batched code, which skips that guard when no cluster is empty)
     gives the plan of the path that always applies it."""
-    from leanformer.ops import clustering, kmeans_native
+    from leanformer.ops import kmedoids as clustering, kmeans_native
 
     emptied = []
     segment_mean = clustering.weighted_segment_mean
@@ -635,7 +635,7 @@ def test_stopping_at_the_fixed_point_gives_the_plan_of_every_iteration(fn, monke
     iterations (the plain ones, as where values cannot be read back). Both must give the
     same plan, example by example (K-Means centres to float64 rounding: the C++ K-Means
     sums each example's mean token itself, in its own order)."""
-    from leanformer.ops import clustering
+    from leanformer.ops import kmedoids as clustering
 
     x, w = _data(b=6, n=40, c=4, seed=11)
     gen = torch.Generator().manual_seed(2)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from leanformer.ops import kmeans_native
-from leanformer.ops.clustering import init_centers, kmeans_plan
+from leanformer.ops.kmedoids import init_centers, kmeans_plan
 from leanformer.ops.native import MissingKernelWarning
 from native_kernels import (
     PLAN_SHAPES,

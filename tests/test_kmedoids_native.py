@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from leanformer.ops import kmedoids_native
-from leanformer.ops.clustering import init_centers, kmedoids_plan
+from leanformer.ops.kmedoids import init_centers, kmedoids_plan
 from leanformer.ops.token_distances import centred
 from native_kernels import (
     PLAN_SHAPES,
@@ -98,7 +98,7 @@ def test_duplicates_and_weightless_tokens_give_the_plans_of_the_batched_update_f
     by the two (the kernel centres the tokens and sums their norms itself), and are left
     out: small integers, or a cluster of two tokens twice each, whose mean lies half-way
     between them (which is why only one token is repeated)."""
-    from leanformer.ops import clustering
+    from leanformer.ops import kmedoids as clustering
 
     g = torch.Generator().manual_seed(seed)
     b, n, c = 8, 24, 3

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanformer.ops import clustering, kmedoids_native
-from leanformer.ops.clustering import cluster_mean, kmedoids_plan, kmedoids_pooled
+from leanformer.ops import kmedoids as clustering, kmedoids_native
+from leanformer.ops.kmedoids import cluster_mean, kmedoids_plan, kmedoids_pooled
 from native_kernels import clustered, starting_tokens, without_kernel
 
 

@@ -50,7 +50,7 @@ from leanformer.layers.budgets import Budget, KeepLike, budget_to_count, parse_k
 from leanformer.layers.checks import as_int
 from leanformer.layers.reducer import OFF_GRID, REDUCE_POSITION_WORDS, Grid, ReducePosition, halved_grid
 from leanformer.layers.tome import build_tome
-from leanformer.ops.clustering import (
+from leanformer.ops.kmedoids import (
     InitMode,
     cluster_mean,
     cluster_sizes,

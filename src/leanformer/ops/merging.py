@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from leanformer.ops.clustering import weighted_segment_mean
+from leanformer.ops.kmedoids import weighted_segment_mean
 
 
 def _bipartite_round(x: Tensor, r: int) -> Tensor:
