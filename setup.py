@@ -3,7 +3,8 @@
 Four kernels for eager CPU runs, each from ``src/leanformer/ops/<name>.cpp``:
 ``leanformer.ops._kmedoids_cpu`` and ``_kmeans_cpu`` run K-Medoids and K-Means iterations,
 ``_attention_received_cpu`` attention with received scores, ``_segment_sum_cpu`` the
-weighted sums that pool tokens. They
+weighted sums that pool tokens. The package registers each as a ``torch.library`` custom op
+(``torch.ops.leanformer.*``, in ``leanformer/ops/*_native.py``). They
 need torch at build time, so they are built without build isolation (``pip install
 --no-build-isolation -e .``, as the Makefile does). Where they cannot be built (no torch,
 no C++ compiler), the package installs without them and runs its PyTorch code instead.

@@ -10,7 +10,9 @@ from typing import TypeVar
 import pytest
 import torch
 
-from leanformer.ops.kmedoids import init_centers
+from leanformer.ops import cluster_regimes, kmeans_native, kmedoids_native
+from leanformer.ops.cluster_init import init_centers
+from leanformer.ops.native import KERNELS
 
 T = TypeVar("T")
 
@@ -46,11 +48,21 @@ def clustered(b: int, n: int, c: int, seed: int, dtype: torch.dtype) -> tuple[to
 
 @contextmanager
 def without_kernel(monkeypatch: pytest.MonkeyPatch, native: ModuleType) -> Iterator[None]:
-    """As in a package built without a C++ compiler, minus the one-time warning."""
+    """As in a package built without a C++ compiler, minus the one-time warning:
+    ``native`` is the module that defines the kernel's custom op (``native.OP``)."""
     with monkeypatch.context() as m:
-        m.setattr(native, "_kernel", None)
-        m.setattr(native._missing, "warned", True)
+        m.setattr(KERNELS[native.OP], "extension", None)
+        m.setattr(KERNELS[native.OP], "warned", True)
         yield
+
+
+def like_an_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the clusterings as where reading a value back is not free: the batched code,
+    every iteration (no C++ kernel, which only runs eagerly on the CPU)."""
+    monkeypatch.setattr(cluster_regimes, "reads_back", lambda t: False)
+    for native in (kmeans_native, kmedoids_native):
+        monkeypatch.setattr(KERNELS[native.OP], "extension", None)
+        monkeypatch.setattr(KERNELS[native.OP], "warned", True)
 
 
 def on_threads(threads: int, run: Callable[[], T]) -> T:

@@ -9,7 +9,7 @@ import torch
 
 from leanformer.ops import attention_native
 from leanformer.ops.attention import attention, combine_masks, size_bias
-from leanformer.ops.native import MissingKernelWarning
+from leanformer.ops.native import KERNELS, MissingKernelWarning, extension
 from leanformer.ops.received import BlockShape, blocked_attention_received
 
 
@@ -147,8 +147,9 @@ def test_the_kernel_writes_nothing_it_reads() -> None:
         assert torch.equal(got, want)
 
 
-def test_autograd_dropout_and_flop_counting_take_the_blocks(monkeypatch) -> None:
-    """The kernel has no backward and no dropout, and FLOP counters cannot see into it."""
+def test_autograd_and_dropout_take_the_blocks_and_flop_counters_count_the_kernel(monkeypatch) -> None:
+    """The kernel has no backward and no dropout; a FLOP counter counts its two products
+    through the op's formula, as it counts the blocks'."""
     calls: list[int] = []
     real = attention_native.attention_received
     monkeypatch.setattr(attention_native, "attention_received", lambda *a: calls.append(1) or real(*a))
@@ -166,7 +167,7 @@ def test_autograd_dropout_and_flop_counting_take_the_blocks(monkeypatch) -> None
 
         with FlopCounterMode(display=False) as counter:
             _kernel(q, k, v, None)
-    assert calls == [1]
+    assert calls == [1, 1]
     assert counter.get_total_flops() == 2 * (2 * 2 * 10 * 10 * 8)  # both products seen
 
 
@@ -183,7 +184,7 @@ def test_forward_tangents_take_the_blocks_and_negated_views_are_read_as_values()
         want = _plain(q, k, v, mask)
         with forward_ad.dual_level():
             dual = forward_ad.make_dual(q, torch.randn_like(q))
-            assert not attention_native.applies(dual, k, v, mask, 0.0, needs_graph=False)
+            assert not attention_native.applies(dual, k, v, mask, 0.0)
             with pytest.raises(NotImplementedError, match="forward AD"):
                 _kernel(dual, k, v, mask)
 
@@ -202,8 +203,8 @@ def test_without_the_kernel_attention_warns_once_and_still_computes(monkeypatch)
     q, k, v = _qkv(1, 2, 10, 10, 8, seed=6, dtype=torch.float32)
     with torch.no_grad():
         want = _kernel(q, k, v, None)
-    monkeypatch.setattr(attention_native, "_kernel", None)
-    monkeypatch.setattr(attention_native._missing, "warned", False)
+    monkeypatch.setattr(KERNELS[attention_native.OP], "extension", None)
+    monkeypatch.setattr(KERNELS[attention_native.OP], "warned", False)
     with torch.no_grad():
         with pytest.warns(MissingKernelWarning, match="without its C\\+\\+ attention kernel"):
             first = _kernel(q, k, v, None)
@@ -217,7 +218,7 @@ def test_without_the_kernel_attention_warns_once_and_still_computes(monkeypatch)
 
 def test_bad_inputs_to_the_kernel_are_clear_errors() -> None:
     q, k, v = _qkv(1, 2, 5, 6, 8, seed=0, dtype=torch.float32)
-    kernel = attention_native._kernel
+    kernel = extension(attention_native.OP)
     with pytest.raises(RuntimeError, match="k must be"):
         kernel.attention_received(q, k[:, :1], v, None, 0.3, 8)
     with pytest.raises(RuntimeError, match="v must be"):
@@ -252,4 +253,6 @@ def test_one_query_with_a_narrow_row_stride_and_no_keys() -> None:
 def test_a_mask_on_another_device_is_refused_by_the_kernel() -> None:
     q, k, v = _qkv(1, 2, 4, 4, 8, seed=0, dtype=torch.float32)
     with pytest.raises(RuntimeError, match="CPU tensor"):
-        attention_native._kernel.attention_received(q, k, v, torch.zeros(1, 2, 4, 4, device="meta"), 0.3, 8)
+        extension(attention_native.OP).attention_received(
+            q, k, v, torch.zeros(1, 2, 4, 4, device="meta"), 0.3, 8
+        )

@@ -8,16 +8,13 @@ import pytest
 import torch
 
 from leanformer.ops.attention import attention
-from leanformer.ops.kmedoids import (
-    ClusterPlan,
-    cluster_mean,
-    cluster_sizes,
-    clustering_objective,
-    init_centers,
-    kmeans_plan,
-    kmedoids_plan,
-    pairwise_sq_dists,
-)
+from leanformer.ops.cluster_init import init_centers
+from leanformer.ops.cluster_plan import ClusterPlan, cluster_mean, cluster_sizes, clustering_objective
+from leanformer.ops.kmeans import kmeans_plan
+from leanformer.ops.kmedoids import kmedoids_plan
+from leanformer.ops.native import KERNELS, kernel_available
+from leanformer.ops.token_distances import pairwise_sq_dists
+from native_kernels import like_an_accelerator
 
 # ----------------------------------------------------------------- slow references (loops)
 
@@ -90,10 +87,10 @@ def eager_clustering(request, monkeypatch) -> str:
 
     for native in (kmedoids_native, kmeans_native):
         if request.param == "batched":
-            monkeypatch.setattr(native, "_kernel", None)
-            monkeypatch.setattr(native._missing, "warned", True)
+            monkeypatch.setattr(KERNELS[native.OP], "extension", None)
+            monkeypatch.setattr(KERNELS[native.OP], "warned", True)
         else:
-            assert native.kernel_available(), "the package was built without its C++ kernels"
+            assert kernel_available(native.OP), "the package was built without its C++ kernels"
     return request.param
 
 
@@ -189,8 +186,6 @@ def test_a_cluster_of_weight_zero_takes_its_lowest_index_as_medoid() -> None:
 def test_distances_for_moved_medoids_only_give_the_plan_of_all_pairs(weighted: bool, monkeypatch) -> None:
     """Eager CPU (C++) recomputes the distances of the medoids that moved; compiled and
     accelerator runs compute them afresh. Same plans, on data where many medoids move."""
-    from leanformer.ops import kmedoids as clustering
-
     x, w = _data(b=5, n=60, c=3, seed=9)
     weights = w if weighted else None
     gen = torch.Generator().manual_seed(3)
@@ -200,7 +195,7 @@ def test_distances_for_moved_medoids_only_give_the_plan_of_all_pairs(weighted: b
         plans[k] = (init, kmedoids_plan(x, k, weights=weights, init=init, max_iters=8))
         start = kmedoids_plan(x, k, weights=weights, init=init, max_iters=0)
         assert not torch.equal(plans[k][1].medoids, start.medoids)
-    monkeypatch.setattr(clustering, "_reads_back", lambda t: False)
+    like_an_accelerator(monkeypatch)
     for k, (init, moved_only) in plans.items():
         every_pair = kmedoids_plan(x, k, weights=weights, init=init, max_iters=8)
         assert torch.equal(every_pair.assign, moved_only.assign)
@@ -210,7 +205,8 @@ def test_distances_for_moved_medoids_only_give_the_plan_of_all_pairs(weighted: b
 @pytest.mark.parametrize("weighted", [False, True])
 def test_medoid_updates_from_means_and_from_pairs_agree(weighted: bool) -> None:
     """The two forms of eq. 12 pick the same medoids, with N > C and with N < C."""
-    from leanformer.ops.kmedoids import _medoids_from_means, _medoids_from_pairs, token_sq_dists
+    from leanformer.ops.kmedoids import _medoids_from_means, _medoids_from_pairs
+    from leanformer.ops.token_distances import token_sq_dists
 
     for n, c in ((50, 3), (20, 40)):
         x, w = _data(b=6, n=n, c=c, seed=c)
@@ -228,7 +224,7 @@ def test_large_n_plans_agree_every_way(k: int, monkeypatch) -> None:
     """High-resolution sizes (600 tokens): eager (the C++ iterations, which recompute the
     medoid table where medoids moved), the table recomputed every update, and the update
     from all N x N distances give one plan."""
-    from leanformer.ops import kmedoids as clustering
+    from leanformer.ops import kmedoids
 
     x, w = _data(b=2, n=600, c=8, seed=k)
     init = init_centers(
@@ -236,10 +232,10 @@ def test_large_n_plans_agree_every_way(k: int, monkeypatch) -> None:
     )
     plans = [kmedoids_plan(x, k, weights=w, init=init)]
     with monkeypatch.context() as m:
-        m.setattr(clustering, "_reads_back", lambda t: False)
+        like_an_accelerator(m)
         plans.append(kmedoids_plan(x, k, weights=w, init=init))
     with monkeypatch.context() as m:
-        m.setattr(clustering, "_update_from_means", lambda n, c, k: False)
+        m.setattr(kmedoids, "_update_from_means", lambda n, c, k: False)
         plans.append(kmedoids_plan(x, k, weights=w, init=init))
     start = kmedoids_plan(x, k, weights=w, init=init, max_iters=0)
     assert not torch.equal(plans[0].medoids, start.medoids)  # medoids did move
@@ -317,13 +313,13 @@ def test_repeating_stops_after_the_first_step_that_changes_nothing(where: str, m
     """5 -> 2 -> 1 -> 0 -> 0: the fourth step changes nothing, and no step runs after it,
     eager (the flag read back) and compiled for the CPU (a branch in the graph); where
     neither is free (an accelerator) every step runs, with the same result."""
-    from leanformer.ops import kmedoids as clustering
+    from leanformer.ops import cluster_regimes
 
     def repeat(x: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return clustering._repeat_while_changing(_halve, (x, steps), 10)
+        return cluster_regimes.repeat_while_changing(_halve, (x, steps), 10)
 
     if where == "accelerator":
-        monkeypatch.setattr(clustering, "_reads_back", lambda t: False)
+        like_an_accelerator(monkeypatch)
     fn = torch.compile(repeat, fullgraph=True, backend="aot_eager") if where == "compiled" else repeat
     x, steps = fn(torch.tensor([5]), torch.tensor(0))
     torch._dynamo.reset()
@@ -345,9 +341,9 @@ def test_compiled_plans_equal_eager(
     ``max_iters``, stopped while the plan still changes (2) or past its fixed point
     (10), in one graph. Tokens close to a line, seeds found by search: the plan changes
     in the first 4-7 iterations."""
-    from leanformer.ops import kmedoids as clustering
+    from leanformer.ops import cluster_regimes
 
-    monkeypatch.setattr(clustering, "_OPAQUE_FROM_TOKENS", 1 if opaque else 10**9)
+    monkeypatch.setattr(cluster_regimes, "OPAQUE_FROM_TOKENS", 1 if opaque else 10**9)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, n, c, generator=g)
     x[..., 1:] *= 0.05
@@ -441,29 +437,29 @@ def test_kmeans_cluster_emptied_mid_run_keeps_its_centre_on_every_path(monkeypat
     """A cluster that loses every member keeps its previous centre; eager CPU (the C++
     iterations, or the batched code, which skips that guard when no cluster is empty)
     gives the plan of the path that always applies it."""
-    from leanformer.ops import kmedoids as clustering, kmeans_native
+    from leanformer.ops import kmeans, kmeans_native
 
     emptied = []
-    segment_mean = clustering.weighted_segment_mean
+    segment_mean = kmeans.weighted_segment_mean
 
     def watched(*args):
         means, w_sum = segment_mean(*args)
         emptied.append(bool((w_sum == 0).any()))
         return means, w_sum
 
-    monkeypatch.setattr(clustering, "weighted_segment_mean", watched)
+    monkeypatch.setattr(kmeans, "weighted_segment_mean", watched)
     g = torch.Generator().manual_seed(1379)  # found by search: a cluster empties on the way
     x = torch.randn(1, 10, 2, generator=g, dtype=torch.float64)
     init = torch.tensor([[0, 5, 2, 6]])
     with monkeypatch.context() as m:  # the batched code, whose steps can be watched
-        m.setattr(kmeans_native, "_kernel", None)
-        m.setattr(kmeans_native._missing, "warned", True)
+        m.setattr(KERNELS[kmeans_native.OP], "extension", None)
+        m.setattr(KERNELS[kmeans_native.OP], "warned", True)
         kmeans_plan(x, 4, init=init, max_iters=10)
     assert any(emptied) and not all(emptied)
     for iters in range(1, 11):  # stopped at every iteration, the emptied one included
         plan = kmeans_plan(x, 4, init=init, max_iters=iters)
         with monkeypatch.context() as m:
-            m.setattr(clustering, "_reads_back", lambda t: False)
+            like_an_accelerator(m)
             guarded = kmeans_plan(x, 4, init=init, max_iters=iters)
         assert torch.equal(plan.assign, guarded.assign)
         assert torch.equal(plan.centers, guarded.centers)
@@ -635,13 +631,11 @@ def test_stopping_at_the_fixed_point_gives_the_plan_of_every_iteration(fn, monke
     iterations (the plain ones, as where values cannot be read back). Both must give the
     same plan, example by example (K-Means centres to float64 rounding: the C++ K-Means
     sums each example's mean token itself, in its own order)."""
-    from leanformer.ops import kmedoids as clustering
-
     x, w = _data(b=6, n=40, c=4, seed=11)
     gen = torch.Generator().manual_seed(2)
     init = init_centers(None, 12, num_tokens=40, batch=6, mode="random", generator=gen)
     stopped = [fn(x, 12, weights=w, init=init, max_iters=t) for t in (1, 3, 20)]
-    monkeypatch.setattr(clustering, "_reads_back", lambda t: False)
+    like_an_accelerator(monkeypatch)
     for t, early in zip((1, 3, 20), stopped, strict=True):
         full = fn(x, 12, weights=w, init=init, max_iters=t)
         assert torch.equal(early.assign, full.assign)

@@ -85,9 +85,9 @@ def cpu_plans(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     small inputs, by default) or as opaque calls into the eager code (large inputs; here
     forced by thresholds of 1)."""
     if request.param == "opaque":
-        from leanformer.ops import kmedoids as clustering, received
+        from leanformer.ops import cluster_regimes, received
 
-        monkeypatch.setattr(clustering, "_OPAQUE_FROM_TOKENS", 1)
+        monkeypatch.setattr(cluster_regimes, "OPAQUE_FROM_TOKENS", 1)
         monkeypatch.setattr(received, "_OPAQUE_FROM_LOGITS", 1)
     return str(request.param)
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from leanformer.ops import kmeans_native
-from leanformer.ops.kmedoids import init_centers, kmeans_plan
-from leanformer.ops.native import MissingKernelWarning
+from leanformer.ops.cluster_init import init_centers
+from leanformer.ops.kmeans import kmeans_plan
+from leanformer.ops.native import KERNELS, MissingKernelWarning
 from native_kernels import (
     PLAN_SHAPES,
     assert_ties_go_to_the_first_copy,
@@ -93,9 +94,10 @@ def test_the_kernel_leaves_its_inputs_alone() -> None:
         assert torch.equal(t, copy)
 
 
-def test_flop_counters_see_the_batched_plan(monkeypatch) -> None:
-    """The kernel computes the batched plan's products, where a counter cannot see them:
-    counted, the batched plan runs (and counts the same)."""
+def test_flop_counters_count_the_kernel_as_the_batched_plan_under_a_counter(monkeypatch) -> None:
+    """Counted, the kernel runs, and its op's formula counts the products the batched plan
+    makes under a counter: the initial assignment and one per iteration, every one of
+    ``max_iters`` (here the plan settles before)."""
     from leanformer.bench.flops import flop_counter
 
     calls: list[int] = []
@@ -105,15 +107,19 @@ def test_flop_counters_see_the_batched_plan(monkeypatch) -> None:
     kmeans_plan(x, 10, weights=w)
     assert calls == [1]
     with flop_counter() as counter:
-        kmeans_plan(x, 10, weights=w)
-    assert calls == [1] and counter.get_total_flops() > 2 * 2 * 40 * 10 * 8
+        kmeans_plan(x, 10, weights=w, max_iters=20)
+    assert calls == [1, 1]
+    assert counter.get_total_flops() == 21 * 2 * (2 * 40 * 10 * 8)
+    with without_kernel(monkeypatch, kmeans_native), flop_counter() as batched:
+        kmeans_plan(x, 10, weights=w, max_iters=20)
+    assert calls == [1, 1] and batched.get_total_flops() == counter.get_total_flops()
 
 
 def test_without_the_kernel_plans_warn_once_and_still_plan(monkeypatch) -> None:
     x, w = clustered(2, 20, 4, seed=0, dtype=torch.float32)
     want = kmeans_plan(x, 5, weights=w)
-    monkeypatch.setattr(kmeans_native, "_kernel", None)
-    monkeypatch.setattr(kmeans_native._missing, "warned", False)
+    monkeypatch.setattr(KERNELS[kmeans_native.OP], "extension", None)
+    monkeypatch.setattr(KERNELS[kmeans_native.OP], "warned", False)
     with pytest.warns(MissingKernelWarning, match="without its C\\+\\+ K-Means kernel") as record:
         first = kmeans_plan(x, 5, weights=w)
     assert record[0].filename == __file__  # it points at the caller of kmeans_plan

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from leanformer.ops import kmedoids_native
-from leanformer.ops.kmedoids import init_centers, kmedoids_plan
+from leanformer.ops.cluster_init import init_centers
+from leanformer.ops.kmedoids import kmedoids_plan
+from leanformer.ops.native import KERNELS, MissingKernelWarning
 from leanformer.ops.token_distances import centred
 from native_kernels import (
     PLAN_SHAPES,
@@ -29,10 +31,10 @@ def _batched(monkeypatch: pytest.MonkeyPatch, *args, **kwargs):
 
 def test_without_the_kernel_plans_warn_once_and_still_plan(monkeypatch) -> None:
     x, w = clustered(2, 20, 4, seed=0, dtype=torch.float32)
-    monkeypatch.setattr(kmedoids_native, "_kernel", None)
-    monkeypatch.setattr(kmedoids_native._missing, "warned", False)
+    monkeypatch.setattr(KERNELS[kmedoids_native.OP], "extension", None)
+    monkeypatch.setattr(KERNELS[kmedoids_native.OP], "warned", False)
     missing = "without its C\\+\\+ K-Medoids kernel"
-    with pytest.warns(kmedoids_native.MissingKernelWarning, match=missing) as record:
+    with pytest.warns(MissingKernelWarning, match=missing) as record:
         first = kmedoids_plan(x, 5, weights=w)
     assert record[0].filename == __file__  # it points at the caller of kmedoids_plan
     with warnings.catch_warnings():
@@ -98,7 +100,7 @@ def test_duplicates_and_weightless_tokens_give_the_plans_of_the_batched_update_f
     by the two (the kernel centres the tokens and sums their norms itself), and are left
     out: small integers, or a cluster of two tokens twice each, whose mean lies half-way
     between them (which is why only one token is repeated)."""
-    from leanformer.ops import kmedoids as clustering
+    from leanformer.ops import kmedoids
 
     g = torch.Generator().manual_seed(seed)
     b, n, c = 8, 24, 3
@@ -106,7 +108,7 @@ def test_duplicates_and_weightless_tokens_give_the_plans_of_the_batched_update_f
     repeated = int(torch.randint(n - 4, (1,), generator=g))
     x = torch.cat([x, x[:, [repeated] * 4]], dim=1)
     w = torch.rand(b, n, generator=g, dtype=dtype) * (torch.rand(b, n, generator=g) > 0.33)
-    monkeypatch.setattr(clustering, "_update_from_means", lambda n, c, k: True)
+    monkeypatch.setattr(kmedoids, "_update_from_means", lambda n, c, k: True)
     for k in (1, 5, 12, 23):
         init = init_centers(None, k, num_tokens=n, batch=b, mode="random", generator=g)
         for weights in (w, None):

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leanformer.ops import kmedoids as clustering, kmedoids_native
-from leanformer.ops.kmedoids import cluster_mean, kmedoids_plan, kmedoids_pooled
+from leanformer.ops import kmedoids_native
+from leanformer.ops.cluster_plan import cluster_mean
+from leanformer.ops.kmedoids import kmedoids_plan, kmedoids_pooled
 from native_kernels import clustered, starting_tokens, without_kernel
 
 
@@ -18,8 +19,8 @@ def _two_steps(x: torch.Tensor, k: int, weights: torch.Tensor | None, init: torc
 
 def _recording_kernel(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
-    real = clustering.iterate_and_pool_on_cpu
-    monkeypatch.setattr(clustering, "iterate_and_pool_on_cpu", lambda *a: calls.append(1) or real(*a))
+    real = kmedoids_native.iterate_and_pool_on_cpu
+    monkeypatch.setattr(kmedoids_native, "iterate_and_pool_on_cpu", lambda *a: calls.append(1) or real(*a))
     return calls
 
 

@@ -25,7 +25,7 @@ from leanformer.layers.budgets import Budget, budget_to_count
 from leanformer.layers.reducer import compose_assignments
 from leanformer.layers.token_pooling import ConvDownsample, build_reducers
 from leanformer.models.registry import create_model
-from leanformer.ops.kmedoids import weighted_segment_mean
+from leanformer.ops.cluster_plan import weighted_segment_mean
 from leanformer.ops.merging import bipartite_merge_plan
 from leanformer.patch.timm import apply_reducers
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from leanformer.ops import segment_sum_native
-from leanformer.ops.native import MissingKernelWarning
+from leanformer.ops.native import KERNELS, MissingKernelWarning, use_kernel
 from leanformer.ops.segment_sum import segment_sum
 from native_kernels import without_kernel
 
@@ -34,7 +34,7 @@ def test_the_kernel_sums_as_embedding_bag(dtype: torch.dtype, monkeypatch) -> No
     for values in (full[:, 1:], full[:, 1:].contiguous(), channels_strided[:, 1:], overlapping):
         for w in (weights, None):
             with torch.inference_mode():
-                assert segment_sum_native.applies(values, segment, w)
+                assert use_kernel(segment_sum_native.OP, values, segment, w)
                 got = segment_sum(values, segment, 60, w)
             torch.testing.assert_close(got, _embedding_bag_sums(monkeypatch, values, segment, 60, w), **tol)
             assert torch.equal(got[:, 50:], torch.zeros_like(got[:, 50:]))
@@ -44,14 +44,14 @@ def test_the_kernel_is_for_inference_only() -> None:
     """Whatever needs a gradient, or is not a float32/64 CPU tensor, takes embedding_bag."""
     values, segment = torch.randn(2, 5, 3), torch.randint(0, 2, (2, 5))
     weights = torch.rand(2, 5)
-    assert segment_sum_native.applies(values, segment, weights)
-    assert not segment_sum_native.applies(values.requires_grad_(), segment, weights)
+    assert use_kernel(segment_sum_native.OP, values, segment, weights)
+    assert not use_kernel(segment_sum_native.OP, values.requires_grad_(), segment, weights)
     with torch.no_grad():
-        assert segment_sum_native.applies(values, segment, weights)
-    assert not segment_sum_native.applies(values.detach(), segment, weights.requires_grad_())
-    assert not segment_sum_native.applies(values.detach().half(), segment, None)
-    assert not segment_sum_native.applies(values.detach(), segment.int(), None)
-    assert not segment_sum_native.applies(values.detach().to("meta"), segment, None)
+        assert use_kernel(segment_sum_native.OP, values, segment, weights)
+    assert not use_kernel(segment_sum_native.OP, values.detach(), segment, weights.requires_grad_())
+    assert not use_kernel(segment_sum_native.OP, values.detach().half(), segment, None)
+    assert not use_kernel(segment_sum_native.OP, values.detach(), segment.int(), None)
+    assert not use_kernel(segment_sum_native.OP, values.detach().to("meta"), segment, None)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")  # forward AD's import
@@ -67,7 +67,7 @@ def test_what_a_kernel_cannot_see_takes_embedding_bag() -> None:
     weights = torch.rand(2, 7, generator=g)
     with forward_ad.dual_level():
         dual = forward_ad.make_dual(values, torch.randn_like(values))
-        assert not segment_sum_native.applies(dual, segment, weights)
+        assert not use_kernel(segment_sum_native.OP, dual, segment, weights)
         with pytest.raises(NotImplementedError, match="forward AD"):
             segment_sum(dual, segment, 3, weights)
     negated = torch.complex(torch.zeros_like(values), values).conj().imag
@@ -89,15 +89,15 @@ def test_the_kernel_refuses_bad_inputs_clearly() -> None:
         segment_sum_native.segment_sum_on_cpu(values, segment, 2, weights[:, 1:])
     with pytest.raises(RuntimeError, match=r"segments must be \[B, N\]"):
         segment_sum_native.segment_sum_on_cpu(values, segment[:1], 2, None)
-    with pytest.raises(RuntimeError, match="must all be CPU tensors"):
+    with pytest.raises(RuntimeError, match="must all be on one device"):
         segment_sum_native.segment_sum_on_cpu(values, segment, 2, weights.to("meta"))
 
 
 def test_without_the_kernel_it_warns_once_and_sums_alike(monkeypatch) -> None:
     values, segment = torch.randn(2, 5, 3), torch.randint(0, 2, (2, 5))
     want = segment_sum(values, segment, 2)
-    monkeypatch.setattr(segment_sum_native, "_kernel", None)
-    monkeypatch.setattr(segment_sum_native._missing, "warned", False)
+    monkeypatch.setattr(KERNELS[segment_sum_native.OP], "extension", None)
+    monkeypatch.setattr(KERNELS[segment_sum_native.OP], "warned", False)
     with pytest.warns(MissingKernelWarning, match="_segment_sum_cpu") as record:
         first = segment_sum(values, segment, 2)
     assert record[0].filename == __file__  # it points at the caller of segment_sum

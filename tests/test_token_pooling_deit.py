@@ -291,13 +291,14 @@ def test_deit_small_gflops_match_the_paper(monkeypatch: pytest.MonkeyPatch) -> N
         shapes.append((tokens.shape[1], k, tokens.shape[2]))
         return real_plan(tokens, k, **kw)  # type: ignore[arg-type]
 
-    real_work = kmedoids_native.distance_work
+    real_kernel = kmedoids_native.kmedoids_iterate_cpu
 
-    def recording_work(xc: torch.Tensor, distances: int) -> None:
-        products.append((distances, 1, xc.shape[2]))
-        real_work(xc, distances)
+    def recording_kernel(xc: torch.Tensor, *args: object) -> tuple[torch.Tensor, ...]:
+        out = real_kernel(xc, *args)  # type: ignore[arg-type]
+        products.append((int(out[2].sum()), 1, xc.shape[2]))  # the distances it computed
+        return out
 
-    monkeypatch.setattr(kmedoids_native, "distance_work", recording_work)
+    monkeypatch.setattr(kmedoids_native, "kmedoids_iterate_cpu", recording_kernel)
     monkeypatch.setattr(token_distances, "pairwise_sq_dists", recording)
     monkeypatch.setattr(medoid_distances, "pairwise_sq_dists", recording)
     monkeypatch.setattr(token_pooling, "kmedoids_pooled", recording_plan)

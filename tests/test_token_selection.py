@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from leanformer.ops.kmedoids import weighted_segment_mean
+from leanformer.ops.cluster_plan import weighted_segment_mean
 from leanformer.ops.merging import bipartite_merge_plan
 from leanformer.ops.token_selection import gather_tokens, importance_indices, random_indices, topk_indices
 

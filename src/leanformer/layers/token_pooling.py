@@ -50,15 +50,10 @@ from leanformer.layers.budgets import Budget, KeepLike, budget_to_count, parse_k
 from leanformer.layers.checks import as_int
 from leanformer.layers.reducer import OFF_GRID, REDUCE_POSITION_WORDS, Grid, ReducePosition, halved_grid
 from leanformer.layers.tome import build_tome
-from leanformer.ops.kmedoids import (
-    InitMode,
-    cluster_mean,
-    cluster_sizes,
-    init_centers,
-    kmeans_plan,
-    kmedoids_pooled,
-    weighted_segment_mean,
-)
+from leanformer.ops.cluster_init import InitMode, init_centers
+from leanformer.ops.cluster_plan import cluster_mean, cluster_sizes, weighted_segment_mean
+from leanformer.ops.kmeans import kmeans_plan
+from leanformer.ops.kmedoids import kmedoids_pooled
 from leanformer.ops.merging import bipartite_merge_plan, round_ratio
 from leanformer.ops.token_selection import gather_tokens, importance_indices, random_indices, topk_indices
 

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from leanformer.layers.budgets import Budget, budget_to_count, parse_keep
 from leanformer.layers.reducer import Grid
-from leanformer.ops.kmedoids import weighted_segment_mean
+from leanformer.ops.cluster_plan import weighted_segment_mean
 from leanformer.ops.tome import tome_merge_plan, tome_removals
 
 

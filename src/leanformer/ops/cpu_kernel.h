@@ -310,7 +310,7 @@ struct PoolBuffers {
 };
 
 // One example's pooled tokens, out [K, C]: the weighted mean of every cluster of
-// assign [N] (ids in [0, K)), as leanformer.ops.clustering.cluster_mean makes it, bit for
+// assign [N] (ids in [0, K)), as leanformer.ops.cluster_plan.cluster_mean makes it, bit for
 // bit: each weight divided by its cluster's total (summed in token order, at least the
 // smallest normal number), or 1 / members where that total is not positive; then one
 // segment sum of the tokens x [N, C] with those shares. An empty cluster sums to 0.

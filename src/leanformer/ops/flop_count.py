@@ -3,10 +3,12 @@
 ``torch.utils.flop_counter.FlopCounterMode`` counts 2 FLOPs per multiply-add and, in
 torch 2.14, does not know the CPU fused attention kernel
 (``_scaled_dot_product_flash_attention_for_cpu``), so a DeiT-S would read 4.24 instead
-of 4.6 GMACs. We register the same formula torch uses for the CUDA flash kernel, a
-formula for matrix-vector products (``aten.mv``, which it does not count either), and
-count the distances the C++ K-Medoids iterations compute (which a counter of tensor
-operations cannot see) as the matrix products that compute them in the batched code.
+of 4.6 GMACs. Our counter adds the same formula torch uses for the CUDA flash kernel and
+a formula for matrix-vector products (``aten.mv``, which it does not count either).
+
+The package's C++ kernels are custom ops (``torch.ops.leanformer.*``) that register their
+own formulas with ``torch.utils.flop_counter.register_flop_formula``: any
+``FlopCounterMode`` counts them as their PyTorch fallback's products are counted.
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-import leanformer.ops.kmedoids_native  # noqa: F401  (registers leanformer::medoid_distance_work)
+# The kernels' custom ops and their FLOP formulas, registered before any counter is made.
+import leanformer.ops.attention_native
+import leanformer.ops.kmeans_native
+import leanformer.ops.kmedoids_native
+import leanformer.ops.segment_sum_native  # noqa: F401
 
 aten = torch.ops.aten
 
@@ -40,16 +46,8 @@ def _matrix_vector(matrix: Any, vector: Any, *args: Any, out_shape: Any = None, 
     return 2 * matrix[0] * matrix[1]
 
 
-def _medoid_distance_work(xc: Any, distances: int, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return 2 * distances * xc[-1]  # C multiply-adds per squared distance
-
-
 def _custom_mapping() -> dict[Any, Any]:
-    # The K-Medoids kernel's own distance computations (leanformer.ops.kmedoids_native).
-    mapping: dict[Any, Any] = {
-        torch.ops.leanformer.medoid_distance_work: _medoid_distance_work,
-        aten.mv: _matrix_vector,
-    }
+    mapping: dict[Any, Any] = {aten.mv: _matrix_vector}
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_forward
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):

@@ -1,7 +1,7 @@
 // Weighted K-Means (Lloyd) iterations on the CPU, one example at a time (Token Pooling,
 // eqs. 10-11 / 14-15).
 //
-// The batched Python plan (leanformer/ops/clustering.py) runs a dozen small tensor
+// The batched Python plan (leanformer/ops/kmeans.py) runs a dozen small tensor
 // operations per iteration, whose fixed cost outweighs the arithmetic at token pooling's
 // sizes (tens of tokens per example on small models). Here each task takes one example,
 // examples in parallel, with the same algorithm:

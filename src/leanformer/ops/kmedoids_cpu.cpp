@@ -1,6 +1,6 @@
 // Weighted K-Medoids iterations on the CPU, one example at a time (Token Pooling, Alg. 1).
 //
-// The batched Python plan (leanformer/ops/clustering.py) runs about a hundred small
+// The batched Python plan (leanformer/ops/kmedoids.py) runs about a hundred small
 // tensor operations per iteration; at the sizes token pooling meets (tens to hundreds
 // of tokens per example) their fixed cost outweighs the arithmetic. Here an iteration
 // is a few plain loops per example, examples in parallel, with the same algorithm:
@@ -20,7 +20,7 @@
 // recomputed.
 //
 // On request the example's clusters are then pooled (their weighted means, as
-// leanformer.ops.clustering.cluster_mean makes them) while its tokens are still in the
+// leanformer.ops.cluster_plan.cluster_mean makes them) while its tokens are still in the
 // core's cache, which saves a later pass over the whole batch.
 
 // ATen and the pybind11 casters for tensors, not all of <torch/extension.h>: the C++

@@ -1,94 +1,85 @@
-"""K-Medoids iterations in C++ for eager CPU runs (``kmedoids_cpu.cpp``), when built.
+"""K-Medoids iterations in C++ for eager CPU runs (``kmedoids_cpu.cpp``), as the custom op
+``torch.ops.leanformer.kmedoids_iterate_cpu``.
 
-The batched plan in :mod:`leanformer.ops.clustering` runs about a hundred small tensor
+The batched plan in :mod:`leanformer.ops.kmedoids` runs about a hundred small tensor
 operations per iteration. At token pooling's sizes (tens to hundreds of tokens per
-example) their fixed cost outweighs the arithmetic, which the kernel avoids: several
-times faster on a plan for 64 x 64 tokens of width 96 (docs/BENCHMARKS.md, "Compiled and
-eager, small models and batch 1"). The kernel runs the same algorithm (assign to
-the nearest medoid, move every medoid to the member nearest its cluster's weighted mean,
-stop at the fixed point) one example at a time, examples in parallel: it makes the
-medoid table (:mod:`leanformer.ops.medoid_distances`) with one BLAS product and keeps
-it current where medoids move.
-Plans equal the batched code's up to the float rounding of the distances.
+example) their fixed cost outweighs the arithmetic, which the kernel avoids
+(docs/BENCHMARKS.md). The kernel runs the same algorithm (assign to the nearest medoid,
+move every medoid to the member nearest its cluster's weighted mean, stop at the fixed
+point) one example at a time, examples in parallel: it makes the medoid table
+(:mod:`leanformer.ops.medoid_distances`) with one BLAS product and keeps it current where
+medoids move. Plans equal the batched code's up to the float rounding of the distances.
 
-The kernel is built when the package is installed (``setup.py``); without a C++
-compiler the package installs without it, and :func:`kernel_available` says so.
+The op also returns how many distances each example computed (the initial table, then
+those of moved medoids), which its FLOP formula counts, ``C`` multiply-adds each.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
-from leanformer.ops.native import MissingKernelNotice, MissingKernelWarning, counting, load
+from leanformer.ops.native import check_one_device, extension, register_kernel
 
-__all__ = [
-    "MissingKernelWarning",
-    "iterate_and_pool_on_cpu",
-    "iterate_on_cpu",
-    "kernel_available",
-    "warn_once_without_kernel",
-]
+OP = "kmedoids_iterate_cpu"
 
-_kernel = load("_kmedoids_cpu")
-
-
-@torch.library.custom_op("leanformer::medoid_distance_work", mutates_args=())
-def distance_work(xc: Tensor, distances: int) -> None:
-    """Does nothing: a FLOP counter (:mod:`leanformer.ops.flop_count`) counts ``distances``
-    squared distances between tokens of ``xc [B, N, C]``, ``C`` multiply-adds each, which
-    the kernel computed where the counter cannot see them."""
-
-
-_missing = MissingKernelNotice(
-    "K-Medoids kernel (leanformer.ops._kmedoids_cpu), so K-Medoids runs its batched PyTorch "
-    "code on the CPU: the same plans, slower",
+register_kernel(
+    OP,
+    "_kmedoids_cpu",
+    what="K-Medoids kernel",
+    instead="K-Medoids runs its batched PyTorch code on the CPU: the same plans, slower",
 )
 
 
-def kernel_available() -> bool:
-    """Whether the package was built with the C++ K-Medoids iterations."""
-    return _kernel is not None
+@torch.library.custom_op(f"leanformer::{OP}", mutates_args=())
+def kmedoids_iterate_cpu(
+    x: Tensor, weights: Tensor, medoids: Tensor, max_iters: int, pool: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Up to ``max_iters`` medoid updates from ``medoids [B, K]`` (int64, distinct, ``K < N``)
+    -> ``(assign [B, N], medoids [B, K], distances [B], pooled)``.
+
+    ``x [B, N, C]`` CPU tokens (each example's rows contiguous, as in ``x[:, 1:]``, are read
+    in place; other layouts are copied) and ``weights [B, N]``, one floating type, float32
+    or wider. The kernel centres each example on its mean token (as
+    :func:`leanformer.ops.token_distances.centred` does). ``distances``: how many each
+    example computed. With ``pool``, ``pooled [B, K, C]`` is every cluster's mean of ``x``
+    weighted by ``weights``, bit for bit what :func:`leanformer.ops.cluster_plan.cluster_mean`
+    makes of the plan (without a gradient); without, it is empty ``[0, K, C]``.
+    """
+    return extension(OP).kmedoids_iterate(x, weights, medoids, max_iters, pool)
 
 
-def warn_once_without_kernel() -> None:
-    """Say once per process that eager CPU K-Medoids runs the slower batched code."""
-    if _kernel is None:
-        _missing.warn_once(stacklevel=4)  # past this function, kmedoids_plan and its no_grad wrapper
+@kmedoids_iterate_cpu.register_fake
+def _(
+    x: Tensor, weights: Tensor, medoids: Tensor, max_iters: int, pool: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_one_device(OP, x, weights, medoids)
+    B, N, C = x.shape
+    K = medoids.shape[1]
+    pooled = x.new_empty(B if pool else 0, K, C)
+    return medoids.new_empty(B, N), medoids.new_empty(B, K), medoids.new_empty(B), pooled
+
+
+@register_flop_formula(torch.ops.leanformer.kmedoids_iterate_cpu, get_raw=True)
+def _flops(x: Tensor, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    # The distances computed depend on which medoids moved: read from the op's output
+    # (get_raw), C multiply-adds each, as the batched plan's products make them.
+    return 2 * int(out_val[2].sum()) * x.shape[-1]
 
 
 def iterate_on_cpu(x: Tensor, weights: Tensor, medoids: Tensor, max_iters: int) -> tuple[Tensor, Tensor]:
-    """Up to ``max_iters`` medoid updates from ``medoids [B, K]`` -> ``(assign [B, N], medoids [B, K])``.
-
-    ``x [B, N, C]`` CPU tokens (each example's rows contiguous, as in ``x[:, 1:]``; other
-    layouts are copied) and ``weights [B, N]``, one floating type, float32 or wider. The
-    kernel centres each example on its mean token (as
-    :func:`leanformer.ops.token_distances.centred` does) and makes the initial medoids'
-    table (:mod:`leanformer.ops.medoid_distances` says what it holds) with one BLAS
-    product. Needs :func:`kernel_available`.
-    """
-    assign, medoids, _ = _iterate(x, weights, medoids, max_iters, pool=False)
+    """:func:`kmedoids_iterate_cpu` -> ``(assign [B, N], medoids [B, K])``."""
+    assign, medoids, _, _ = kmedoids_iterate_cpu(x, weights, medoids, max_iters, False)
     return assign, medoids
 
 
 def iterate_and_pool_on_cpu(
     x: Tensor, weights: Tensor, medoids: Tensor, max_iters: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`iterate_on_cpu`, and the pooled tokens ``[B, K, C]``: every cluster's mean
-    of ``x`` weighted by ``weights``, bit for bit what
-    :func:`leanformer.ops.clustering.cluster_mean` makes of the plan (without a
-    gradient), summed while each example's tokens are still in the core's cache."""
-    return _iterate(x, weights, medoids, max_iters, pool=True)
-
-
-def _iterate(
-    x: Tensor, weights: Tensor, medoids: Tensor, max_iters: int, *, pool: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    if _kernel is None:
-        raise RuntimeError("leanformer was installed without its C++ K-Medoids kernel")
-    assign, medoids, work, pooled = _kernel.kmedoids_iterate(x, weights, medoids, max_iters, pool)
-    if counting():
-        # The distances computed (the initial table, then those of moved medoids), which
-        # the batched plan computes with matrix products that a FLOP counter sees.
-        distance_work(x, int(work.sum()))
+    """:func:`kmedoids_iterate_cpu` -> ``(assign [B, N], medoids [B, K], pooled [B, K, C])``:
+    the pooled tokens summed while each example's tokens are still in the core's cache."""
+    assign, medoids, _, pooled = kmedoids_iterate_cpu(x, weights, medoids, max_iters, True)
     return assign, medoids, pooled

@@ -13,7 +13,7 @@ more ``[N/2, N/2]`` similarity product.
 
 The plan is an assignment ``[B, N] -> [0, K)`` computed without gradient; merged
 features are the size-weighted means of their members (ToMe's weighted average), which
-:func:`leanformer.ops.clustering.weighted_segment_mean` applies with gradient.
+:func:`leanformer.ops.cluster_plan.weighted_segment_mean` applies with gradient.
 Similarities use the tokens themselves (ToMe uses the attention keys, which a generic
 reducer does not see).
 """
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from leanformer.ops.kmedoids import weighted_segment_mean
+from leanformer.ops.cluster_plan import weighted_segment_mean
 
 
 def _bipartite_round(x: Tensor, r: int) -> Tensor:

@@ -7,9 +7,10 @@ keys: each block's probabilities give its rows of the output (``p @ v``) and its
 of the column sums, then are freed. The result is exactly the full computation's (the
 same products and sums, grouped by blocks), while the live logits shrink to one block.
 
-For inference on the CPU (no autograd, no dropout, no FLOP counter watching) a C++ kernel
-computes these blocks (:mod:`leanformer.ops.attention_native`): one item, one head and a
-block of queries per task, about as fast as the fused kernel. Otherwise tensor operations
+For eager inference on the CPU (no autograd, no dropout) a C++ kernel computes these
+blocks (:mod:`leanformer.ops.attention_native`, the custom op
+``torch.ops.leanformer.attention_received_cpu``): one item, one head and a block of
+queries per task. Otherwise tensor operations
 compute them, in one of two block layouts (:func:`default_block`):
 
 - **Eager on the CPU: one batch item and a few heads.** Each intra-op thread gets the
@@ -198,7 +199,7 @@ def blocked_attention_received(
         # it) gets them expanded to its own: every block then cuts all four alike.
         lead = _items_and_heads(q, mask)
         q, k, v = (t.expand(*lead, *t.shape[2:]) for t in (q, k, v))
-    if block is None and attention_native.applies(q, k, v, mask, dropout_p, _needs_graph(q, k, v, mask)):
+    if block is None and attention_native.applies(q, k, v, mask, dropout_p):
         out, received = attention_native.attention_received(q, k, v, mask, scale)
         return out.transpose(1, 2), received
     batch, heads, num_queries, head_dim = q.shape

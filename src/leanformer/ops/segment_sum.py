@@ -10,7 +10,9 @@ on the way. On CPU this measured 3.5-6x faster than ``index_add_`` of pre-multip
 (which torch lowers to a ``scatter_add_`` with an index materialised over all D columns,
 plus a separate multiply). Differentiable in ``values`` and ``weights`` (first order:
 torch has no double backward for ``embedding_bag``). Eager CPU inference takes a C++
-kernel with the same sums instead (:mod:`leanformer.ops.segment_sum_native`).
+kernel with the same sums instead (:mod:`leanformer.ops.segment_sum_native`, the custom op
+``torch.ops.leanformer.segment_sum_cpu``), where the gate
+(:func:`leanformer.ops.native.use_kernel`) lets it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from leanformer.ops import segment_sum_native
+from leanformer.ops.native import use_kernel
 
 
 def flat_rows(index: Tensor, k: int, examples: Tensor | None = None) -> Tensor:
@@ -79,7 +82,7 @@ def segment_sum(
     ``examples [E]``: sum over ``values[examples]`` only (``segment`` and ``weights`` are
     then ``[E, N]``, the result ``[E, S, D]``), reading those rows in place, not copied.
     """
-    if examples is None and segment_sum_native.applies(values, segment, weights):
+    if examples is None and use_kernel(segment_sum_native.OP, values, segment, weights):
         return segment_sum_native.segment_sum_on_cpu(values, segment, num_segments, weights)
     _, N, D = values.shape
     flat = flat_rows(segment, num_segments)

@@ -1,11 +1,12 @@
-"""Segment sums in C++ for eager CPU inference (``segment_sum_cpu.cpp``), when built.
+"""Segment sums in C++ for eager CPU inference (``segment_sum_cpu.cpp``), as the custom op
+``torch.ops.leanformer.segment_sum_cpu``.
 
 :func:`leanformer.ops.segment_sum.segment_sum` sorts the rows by segment and sums them
 with ``embedding_bag``, which keeps the sums differentiable, in about a dozen tensor
 operations. Without autograd the kernel makes the same sums in the same order (every
 example's rows in row order) in one call, examples in parallel: the pooled tokens of
-every merge and clustering reducer (their speeds: docs/BENCHMARKS.md, "Compiled and eager,
-small models and batch 1").
+every merge and clustering reducer (docs/BENCHMARKS.md). Like ``embedding_bag`` and
+``index_add_``, it has no FLOP formula: FLOPs here count products.
 """
 
 from __future__ import annotations
@@ -13,40 +14,33 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from leanformer.ops.native import MissingKernelNotice, eager_cpu_inference, load
+from leanformer.ops.native import check_one_device, extension, register_kernel
 
-_kernel = load("_segment_sum_cpu")
-_missing = MissingKernelNotice(
-    "segment sums (leanformer.ops._segment_sum_cpu), so pooled tokens are summed by "
-    "PyTorch's embedding_bag on the CPU: the same results, slower"
+OP = "segment_sum_cpu"
+
+register_kernel(
+    OP,
+    "_segment_sum_cpu",
+    what="segment sums",
+    instead="pooled tokens are summed by PyTorch's embedding_bag on the CPU: the same results, slower",
 )
 
 
-def kernel_available() -> bool:
-    """Whether the package was built with the C++ segment sums."""
-    return _kernel is not None
+@torch.library.custom_op(f"leanformer::{OP}", mutates_args=())
+def segment_sum_cpu(values: Tensor, segment: Tensor, num_segments: int, weights: Tensor) -> Tensor:
+    """``values [B, N, D]`` summed per id of ``segment [B, N]`` (int64) in ``[0, S)``, each row
+    scaled by ``weights [B, N]`` (the values' floating type) -> ``[B, S, D]``; an id outside
+    the range raises a ``ValueError``."""
+    return extension(OP).segment_sum(values, segment, num_segments, weights)
 
 
-def applies(values: Tensor, segment: Tensor, weights: Tensor | None) -> bool:
-    """Whether :func:`segment_sum_on_cpu` may stand in for the ``embedding_bag`` sums:
-    eager CPU inference in float32 or float64 (nothing that needs a gradient, no forward
-    tangent, no ``torch.func`` transform), int64 segment ids, no dispatch mode (a FLOP
-    counter) watching."""
-    if not eager_cpu_inference(values, segment, weights):
-        return False
-    if values.dtype not in (torch.float32, torch.float64) or segment.dtype != torch.long:
-        return False
-    if _kernel is None:
-        _missing.warn_once(stacklevel=3)  # past applies and segment_sum
-        return False
-    return True
+@segment_sum_cpu.register_fake
+def _(values: Tensor, segment: Tensor, num_segments: int, weights: Tensor) -> Tensor:
+    check_one_device(OP, values, segment, weights)
+    return values.new_empty(values.shape[0], num_segments, values.shape[2])
 
 
 def segment_sum_on_cpu(values: Tensor, segment: Tensor, num_segments: int, weights: Tensor | None) -> Tensor:
-    """``values [B, N, D]`` summed per id of ``segment [B, N]`` in ``[0, S)``, each row
-    scaled by ``weights [B, N]`` (ones when None) -> ``[B, S, D]``; an id outside the range
-    raises a ``ValueError``. Needs :func:`applies`."""
-    if _kernel is None:
-        raise RuntimeError("leanformer was installed without its C++ segment sums")
+    """:func:`segment_sum_cpu`, the weights ones when None (or converted to the values' type)."""
     w = values.new_ones(segment.shape) if weights is None else weights.to(values.dtype)
-    return _kernel.segment_sum(values, segment, num_segments, w)
+    return segment_sum_cpu(values, segment, num_segments, w)

@@ -18,7 +18,7 @@ as published: one merge step of ``r`` tokens on the whole token sequence of a bl
 
 The plan is an assignment ``[B, N] -> [0, N - r)`` computed without gradient; the merged
 tokens are the size-weighted means of their members (ToMe's weighted average), which
-:func:`leanformer.ops.clustering.weighted_segment_mean` applies with gradient. Ties
+:func:`leanformer.ops.cluster_plan.weighted_segment_mean` applies with gradient. Ties
 between equal link scores go to the earlier A token (a stable sort; ToMe's own sort is
 not stable, so it leaves them to the kernel).
 """
