@@ -152,20 +152,6 @@ LEANFORMER_VARIANT_BODY void medoids_from_means_body(const Example<T>& e, std::v
 }
 LEANFORMER_CPU_VARIANTS(medoids_from_means)
 
-// A medoid at the same point as medoid j that did not move, or -1. Its row holds the
-// distances that j's must hold, computed the same way: the initial product made the rows
-// not recomputed since, whose rounding a row recomputed here would not share,
-// and the assignment's tie rule (the first medoid wins) needs identical rows for
-// identical medoids.
-template <typename T>
-int64_t unmoved_twin(const Example<T>& e, int64_t j, const std::vector<char>& moved) {
-  const T* xj = e.x + e.medoids[j] * e.c;
-  for (int64_t t = 0; t < e.k; ++t) {
-    if (t != j && !moved[t] && std::equal(xj, xj + e.c, e.x + e.medoids[t] * e.c)) return t;
-  }
-  return -1;
-}
-
 // The tokens that are not medoids, in token order, into e.others, and column_of every
 // token (-1 for a medoid); not_a_partition unless the medoids are K distinct tokens.
 // not_finite when a norm or a weight is NaN (a NaN token gives a NaN norm).
@@ -220,12 +206,12 @@ template <typename T>
 struct Workspace {
   std::vector<T> best, means, total, best_score, medoid_rows, other_rows;
   std::vector<int32_t> nearest;
-  std::vector<int64_t> members, new_medoids, column_of, moved, columns, by_norm, first_equal;
+  std::vector<int64_t> members, new_medoids, column_of, moved, columns, by_norm, first_equal, unmoved_at;
   std::vector<char> is_moved;
   leanformer_tokens::PoolBuffers<T> pool;
   Workspace(int64_t n, int64_t k, int64_t c)
       : best(n - k), means(k * c), total(k), best_score(k), medoid_rows(k * c), other_rows((n - k) * c),
-        nearest(n - k), members(k), new_medoids(k), column_of(n), by_norm(k), first_equal(k), is_moved(k),
+        nearest(n - k), members(k), new_medoids(k), column_of(n), by_norm(k), first_equal(k), unmoved_at(k), is_moved(k),
         pool(n, k) {}
 };
 
@@ -263,8 +249,16 @@ Fault run_example(const Example<T>& e, int64_t max_iters, Workspace<T>& ws) {
       ws.columns.push_back(i);
     }
     if (ws.moved.empty()) return Fault::none;  // a fixed point: later iterations would give it again
+    // Medoids at one point keep equal rows (as at the start, found the same way): a moved
+    // medoid takes the row of the first unmoved one at its point, which a recomputed row
+    // would not round alike; only a medoid with none has its row recomputed.
+    leanformer_tokens::first_equal_rows(e.x, e.sq, e.medoids, e.k, e.c, ws.by_norm, ws.first_equal);
+    std::fill(ws.unmoved_at.begin(), ws.unmoved_at.end(), int64_t(-1));
+    for (int64_t t = e.k - 1; t >= 0; --t) {
+      if (!ws.is_moved[t]) ws.unmoved_at[ws.first_equal[t]] = t;
+    }
     for (const int64_t j : ws.moved) {
-      const int64_t twin = unmoved_twin(e, j, ws.is_moved);
+      const int64_t twin = ws.unmoved_at[ws.first_equal[j]];
       if (twin < 0) {
         recompute_row(e, j);
       } else {
