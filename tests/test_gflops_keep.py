@@ -28,9 +28,7 @@ from leanformer.patch.timm import create_timm_model
 # their iterations): marked slow.
 CLUSTERING = ("kmeans", "kmedoids", "wkmeans", "wkmedoids")
 METHODS = [
-    pytest.param(m, marks=pytest.mark.slow) if m in CLUSTERING else m
-    for m in list_methods()
-    if m != "none"
+    pytest.param(m, marks=pytest.mark.slow) if m in CLUSTERING else m for m in list_methods() if m != "none"
 ]
 
 
