@@ -8,7 +8,7 @@ attention-pooling head gets the ``log(size)`` key bias when sizes are tracked).
 
 Each encoder layer is run from its own submodules (pre-norm, ``q_proj``/``k_proj``/
 ``v_proj``, ``o_proj``/``out_proj``, LayerScale, drop-path, MLP) by
-:mod:`leanformer.layers.host_adapter`; the attention goes through
+:mod:`leanformer.patch.adapter`; the attention goes through
 :func:`leanformer.ops.attention.attention`. Nothing of the host's forward code is
 copied, and a layer whose class ``forward`` differs from the one known here is refused.
 """
@@ -23,7 +23,8 @@ from typing import Any
 import transformers
 from torch import Tensor, nn
 
-from leanformer.layers.host_adapter import (
+from leanformer.ops.attention import attention
+from leanformer.patch.adapter import (
     BlockParts,
     HostAdapter,
     Override,
@@ -31,8 +32,7 @@ from leanformer.layers.host_adapter import (
     nothing_to_pool,
     single_conv,
 )
-from leanformer.layers.pooling_state import TokenPooling
-from leanformer.ops.attention import attention
+from leanformer.pooling.state import TokenPooling
 
 __all__ = ["adapt", "supported_models"]
 

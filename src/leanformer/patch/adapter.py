@@ -28,9 +28,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from leanformer.layers.budgets import KeepLike, KeepSchedule, parse_keep
-from leanformer.layers.pooling_state import ReducePosition, TokenPooling
-from leanformer.layers.reducer import (
+from leanformer.pooling.budgets import KeepLike, KeepSchedule, parse_keep
+from leanformer.pooling.reducer import (
     BEFORE_ATTENTION,
     Grid,
     TokenReducer,
@@ -40,7 +39,8 @@ from leanformer.layers.reducer import (
     reduce_tokens,
     takes_a_count,
 )
-from leanformer.layers.token_pooling import build_reducers, method_reduce_at, pooling_method
+from leanformer.pooling.registry import build_reducers, method_reduce_at, pooling_method
+from leanformer.pooling.state import ReducePosition, TokenPooling
 
 Override = tuple[nn.Module, str, Any]  # set on the instance; what it replaced is put back to undo
 

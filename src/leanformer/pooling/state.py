@@ -1,11 +1,11 @@
 """``model.token_pooling``: the reducers a patch installs, and the budget, changeable at run time.
 
 ``model.token_pooling.keep = 0.5`` (or a per-block list, a preset name, ``{"r": 16}``, a
-fraction of the GFLOPs ``"0.5x"``, any spelling :func:`leanformer.layers.budgets.parse_keep`
+fraction of the GFLOPs ``"0.5x"``, any spelling :func:`leanformer.pooling.budgets.parse_keep`
 reads) rebuilds the reducers for the new budget: the value is validated against the host's
 depth and token count first (a GFLOPs fraction is solved on the model), so a bad budget
 raises and leaves the old one in place. Reading it gives the parsed
-:class:`~leanformer.layers.budgets.KeepSchedule` as asked; :attr:`TokenPooling.schedule`
+:class:`~leanformer.pooling.budgets.KeepSchedule` as asked; :attr:`TokenPooling.schedule`
 gives the per-block budgets it was solved into. ``model.token_pooling.r = 8`` is ToMe's
 spelling of the same (``keep={"r": 8}``).
 """
@@ -18,9 +18,10 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from leanformer.layers.budgets import KeepSchedule, parse_keep, parse_r
-from leanformer.layers.gflops_keep import solve_gflops
-from leanformer.layers.reducer import (
+from leanformer.ops.flop_count import count_gflops
+from leanformer.pooling.budgets import KeepSchedule, parse_keep, parse_r
+from leanformer.pooling.gflops import solve_gflops
+from leanformer.pooling.reducer import (
     REDUCE_POSITIONS,
     BudgetedReducer,
     Grid,
@@ -32,8 +33,7 @@ from leanformer.layers.reducer import (
     grid_after,
     sees_prefix,
 )
-from leanformer.layers.token_pooling import NothingPlaced, build_reducers, pooling_method
-from leanformer.ops.flop_count import count_gflops
+from leanformer.pooling.registry import NothingPlaced, build_reducers, pooling_method
 
 __all__ = ["ReducePosition", "TokenPooling"]
 
@@ -151,7 +151,7 @@ class TokenPooling(nn.Module):
         return counts
 
     def entry_count(self, n: int, grid: Grid | None = None) -> int:
-        """Patch tokens the ``entry`` step keeps of ``n`` (:func:`~leanformer.layers.reducer.entry_count`),
+        """Patch tokens the ``entry`` step keeps of ``n`` (:func:`~leanformer.pooling.reducer.entry_count`),
         from what the blocks' reducers keep without it (``grid``: the patches' raster, when known)."""
         counts = self.counts_after_blocks(n, grid)
         return entry_count(n, first=counts[0], last=counts[-1])
@@ -261,7 +261,7 @@ class TokenPooling(nn.Module):
 
     def solve(self, schedule: KeepSchedule) -> KeepSchedule:
         """The per-block budgets with which this model spends ``schedule.gflops`` of its
-        unpooled GFLOPs (:func:`leanformer.layers.gflops_keep.solve_gflops`), counted on
+        unpooled GFLOPs (:func:`leanformer.pooling.gflops.solve_gflops`), counted on
         ``SOLVE_IMAGES`` seeded random images at the configured size (one, for a method whose
         cost the images do not change). Leaves the reducers as they were."""
         owner, shape = self.__dict__.get("_owner"), self.example_shape
