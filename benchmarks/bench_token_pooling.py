@@ -70,7 +70,7 @@ def layer_inputs(batch: int) -> LayerInputs:
     block = Block(C, num_heads=LAYER_SHAPE["heads"], qkv_bias=True).eval()
     x = torch.randn(batch, N, C)
     with torch.inference_mode():
-        _, received = block_parts(block).attention(block.norm1(x), None, True)
+        _, received = block_parts(block).attention(block.norm1(x), None, "received")
         feats = block(x)
     assert received is not None
     return LayerInputs(block, x, feats[:, 1:].contiguous(), received[:, 1:].contiguous())
@@ -98,8 +98,8 @@ def bench_layer(args: argparse.Namespace) -> list[dict[str, Any]]:
     attention = block_parts(block).attention  # the attention the host adapter runs
     fns: dict[str, Callable[[], Any]] = {
         "block": lambda: block(x),
-        "scores": lambda: attention(block.norm1(x), None, True),
-        "block_fused_attn": lambda: attention(block.norm1(x), None, False),
+        "scores": lambda: attention(block.norm1(x), None, "received"),
+        "block_fused_attn": lambda: attention(block.norm1(x), None, None),
     }
     for method in args.methods:
         layer = pooling_layer(method)

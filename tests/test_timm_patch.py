@@ -98,7 +98,7 @@ def reference_forward(model: nn.Module, x: Tensor, reducers: list[nn.Module | No
         finally:
             attn.fused_attn = fused
         if red is not None:
-            x, sizes = reduce_tokens(red, x, sizes, received, prefix)
+            x, sizes, _ = reduce_tokens(red, x, sizes, received, prefix)
         x = x + blk.ls2(blk.mlp(blk.norm2(x)))
     return model.forward_head(model.norm(x))
 

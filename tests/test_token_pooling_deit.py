@@ -158,14 +158,16 @@ def test_carry_sizes_through_a_block() -> None:
     blk = TimmBlock(8, num_heads=2).eval()
     reducer = TokenSelection(keep=3, mode="topk", carry=True)
     x = torch.randn(2, 1 + 6, 8)
-    out, sizes = pooled_block_forward(block_parts(blk), x, None, reducer, 1, "attn")
+    out, sizes, _ = pooled_block_forward(block_parts(blk), x, None, reducer, 1, "attn")
     # Selected tokens keep their size, 1: implicit sizes stay None even with carry.
     assert out.shape == (2, 4, 8) and sizes is None
     sizes = torch.ones(2, 4)
-    kept, ksizes = pooled_block_forward(block_parts(blk), x, torch.ones(2, 7), reducer, 1, "attn")
+    kept, ksizes, _ = pooled_block_forward(block_parts(blk), x, torch.ones(2, 7), reducer, 1, "attn")
     torch.testing.assert_close(kept, out)
     torch.testing.assert_close(ksizes, sizes)
-    merged, msizes = reduce_tokens(TokenSelection(keep=2, mode="random", carry=True), out, sizes * 3, None, 1)
+    merged, msizes, _ = reduce_tokens(
+        TokenSelection(keep=2, mode="random", carry=True), out, sizes * 3, None, 1
+    )
     assert merged.shape == (2, 3, 8) and msizes is not None
     torch.testing.assert_close(msizes, torch.tensor([[3.0, 3.0, 3.0]] * 2))
 

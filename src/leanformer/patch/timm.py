@@ -37,6 +37,7 @@ from leanformer.patch.adapter import (
     nothing_to_pool,
     single_conv,
 )
+from leanformer.pooling.reducer import ScoreKind
 from leanformer.pooling.state import TokenPooling
 
 __all__ = ["LIBRARY", "adapt", "block_parts", "create_timm_model", "timm_input_size", "weighted_token_mean"]
@@ -63,10 +64,10 @@ class _Attention:
         self.attn = attn
 
     def __call__(
-        self, x: Tensor, sizes: Tensor | None, need_received: bool, need_keys: bool = False
+        self, x: Tensor, sizes: Tensor | None, reads: ScoreKind = None
     ) -> tuple[Tensor, Tensor | None]:
-        """``need_keys``: return the keys averaged over heads ``[B, N, D]`` (ToMe's
-        similarity) in place of the attention received."""
+        """``reads``: what to return beside the output: the attention each token received
+        ``[B, N]``, the keys averaged over heads ``[B, N, D]`` (ToMe's similarity) or None."""
         attn = self.attn
         B, N, _ = x.shape
         heads, head_dim = attn.num_heads, attn.head_dim
@@ -80,13 +81,13 @@ class _Attention:
             v,
             sizes=sizes,
             dropout_p=attn.attn_drop.p if attn.training else 0.0,
-            return_received=need_received,
+            return_received=reads == "received",
             scale=attn.scale,
         )
         out = attn.norm(out.transpose(1, 2).reshape(B, N, heads * head_dim))
         if gate is not None:
             out = out * gate
-        if need_keys:
+        if reads == "keys":
             received = k.mean(dim=1)  # the keys the attention used, q/k norm included
         return attn.proj_drop(attn.proj(out)), received
 

@@ -40,6 +40,10 @@ OFF_GRID: Grid = (0, 0)
 REDUCE_POSITIONS: tuple[ReducePosition, ...] = ("attn", "mlp", "input", "entry")
 # Positions where a reducer runs before an attention, so no attention scores exist yet.
 BEFORE_ATTENTION: tuple[ReducePosition, ...] = ("input", "entry")
+# Which attention scores a reducer reads from its block: none, the attention each token
+# received (significance scores, [B, N]), or the attention keys averaged over heads
+# ([B, N, D], ToMe's similarity).
+ScoreKind = Literal["received", "keys"] | None
 # Each position in words, for error messages.
 REDUCE_POSITION_WORDS: dict[ReducePosition, str] = {
     "attn": "between each block's attention and MLP",
@@ -120,6 +124,14 @@ def halved_grid(h: int, w: int) -> Grid:
     return -(-h // 2), -(-w // 2)
 
 
+def scores_read(reducer: object) -> ScoreKind:
+    """The attention scores ``reducer`` reads (:data:`ScoreKind`): its ``needs_keys`` or
+    ``needs_received``, read here once for the block that computes them."""
+    if getattr(reducer, "needs_keys", False):
+        return "keys"
+    return "received" if getattr(reducer, "needs_received", False) else None
+
+
 def reads_grid(reducer: object) -> bool:
     """Whether ``reducer`` takes the patch tokens' grid (``grid=``): conv's 2x2 windows
     need the real raster, which the count alone does not tell (2x8 and 4x4 are both 16)."""
@@ -159,12 +171,27 @@ def reduce_tokens(
     num_prefix: int,
     count: int | None = None,
     grid: Grid | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Apply ``reducer`` to ``x[:, num_prefix:]`` and keep the prefix tokens untouched.
+) -> tuple[Tensor, Tensor | None, Grid | None]:
+    """Apply ``reducer`` to ``x[:, num_prefix:]`` and keep the prefix tokens untouched;
+    returns the tokens, their sizes and the grid they are left on (:func:`grid_after`).
     ``count``: the tokens it keeps in place of its own budget (a :class:`BudgetedReducer`).
     ``grid``: the patch tokens' raster, passed on to a reducer that reads it (:func:`reads_grid`).
     A reducer that :func:`sees_prefix` (ToMe's) gets the whole sequence and ``num_prefix=``,
     and keeps the prefix tokens in front itself."""
+    before = x.shape[1]
+    x, sizes = _reduce_patches(reducer, x, sizes, received, num_prefix, count, grid)
+    return x, sizes, grid_after(reducer, grid, before, x.shape[1])
+
+
+def _reduce_patches(
+    reducer: TokenReducer,
+    x: Tensor,
+    sizes: Tensor | None,
+    received: Tensor | None,
+    num_prefix: int,
+    count: int | None,
+    grid: Grid | None,
+) -> tuple[Tensor, Tensor | None]:
     if sees_prefix(reducer):
         return cast(Any, reducer)(x, sizes, received, count, grid, num_prefix=num_prefix)
     prefix, tokens = x[:, :num_prefix], x[:, num_prefix:]

@@ -31,6 +31,7 @@ from leanformer.pooling.reducer import (
     count_after,
     entry_count,
     grid_after,
+    reduce_tokens,
     sees_prefix,
 )
 from leanformer.pooling.registry import NothingPlaced, build_reducers, pooling_method
@@ -98,7 +99,9 @@ class TokenPooling(nn.Module):
         # attribute stored before a later torch.cond, which the clusterings use compiled
         # (benchmarks/repro_dynamo_cond_attribute.py).
         # "handed": the sizes one block hands to the next, read once.
-        self._carried: dict[str, Tensor | None] = {"sizes": None, "handed": None}
+        # "entry": where the entry step sent each patch, while its record waits for the
+        # first block's own (reduce_at="entry" with trace_source).
+        self._carried: dict[str, Tensor | None] = {"sizes": None, "handed": None, "entry": None}
         # The patch grid of the latest embedded image (rows, cols), recorded where the host
         # embeds it and read by the first block; then the grid one block hands to the
         # next, for reducers that read it (conv). Dict entries, as for the sizes.
@@ -122,6 +125,7 @@ class TokenPooling(nn.Module):
             self.__dict__.setdefault(name, default)
         self.__dict__.setdefault("_grids", {"embedded": None, "handed": None})
         self._carried.setdefault("handed", None)
+        self._carried.setdefault("entry", None)
         self.overrides = [o if len(o) == 3 else (o[0], o[1], None) for o in self.overrides]
 
     @staticmethod
@@ -180,15 +184,34 @@ class TokenPooling(nn.Module):
         after a forward that failed) starts from nothing stale, and conv reads the count."""
         if index == 0:
             grid, self._grids["embedded"] = self._grids["embedded"], None
-            self._carried["handed"] = self._grids["handed"] = None
+            self._carried["handed"] = self._grids["handed"] = self._carried["entry"] = None
             return None, grid
         sizes, self._carried["handed"] = self._carried["handed"], None
         grid, self._grids["handed"] = self._grids["handed"], None
         return sizes, grid
 
+    def enter(
+        self, x: Tensor, sizes: Tensor | None, grid: Grid | None
+    ) -> tuple[Tensor, Tensor | None, Grid | None]:
+        """The ``entry`` step (``reduce_at="entry"``), before the first block's attention:
+        the embedded patches ``x [B, N, C]`` reduced once by the first block's reducer to
+        :meth:`entry_count` of them, when the budget is tight; as they came otherwise."""
+        reducer, patches = self.reducer(0), x.shape[1] - self.num_prefix
+        if reducer is None or (count := self.entry_count(patches, grid)) >= patches:
+            return x, sizes, grid
+        x, sizes, grid = reduce_tokens(reducer, x, sizes, None, self.num_prefix, count=count, grid=grid)
+        if getattr(reducer, "record", False):
+            self._carried["entry"] = reducer.last_assign  # type: ignore[attr-defined]
+        return x, sizes, grid
+
     def hand_on(self, index: int, sizes: Tensor | None, grid: Grid | None) -> None:
         """What block ``index`` leaves: ``sizes`` (kept as :attr:`sizes` for the final pool)
         and, unless it is the last block, both for the next block."""
+        entry, self._carried["entry"] = self._carried["entry"], None
+        if entry is not None:
+            # The first block's reducer ran twice; its record maps each patch through both.
+            reducer: Any = self.reducer(index)
+            reducer.last_assign = compose_assignments(entry, reducer.last_assign)
         self.sizes = sizes
         if index + 1 < self.depth:
             self._carried["handed"], self._grids["handed"] = sizes, grid
