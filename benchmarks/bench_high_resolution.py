@@ -58,7 +58,7 @@ CLOCK: Callable[[], float] = time.perf_counter
 
 def patch_model(base: nn.Module, method: str, keep: list[int]) -> nn.Module:
     """A patched copy of ``base``: the one place this script calls the patch API."""
-    from leanformer.patch.timm import apply_token_pooling
+    from leanformer.patch.api import apply_token_pooling
 
     return apply_token_pooling(copy.deepcopy(base), keep=keep, method=method, carry=True).eval()
 

@@ -53,9 +53,9 @@ from leanformer.bench.results import results_path, run_stamp, write_jsonl
 from leanformer.bench.timing import time_interleaved
 from leanformer.commands.demo_tokenpool import DIGITS_SWEEP
 from leanformer.layers.block import Block
-from leanformer.layers.reducer import TokenReducer
-from leanformer.layers.token_pooling import build_reducers
 from leanformer.models.registry import create_model
+from leanformer.pooling.reducer import TokenReducer
+from leanformer.pooling.registry import build_reducers
 
 ALLOCATOR = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 

@@ -41,9 +41,9 @@ from leanformer.bench.flops import count_gflops
 from leanformer.bench.results import markdown_rows, results_path, run_stamp, write_jsonl
 from leanformer.bench.speedup import speedup_rows
 from leanformer.bench.timing import CLOCKS, add_clock_argument, time_interleaved
-from leanformer.layers.timm_host import block_parts
-from leanformer.layers.token_pooling import build_reducers, list_methods
 from leanformer.models.registry import create_model
+from leanformer.patch.timm import block_parts
+from leanformer.pooling.registry import build_reducers, list_methods
 
 CLUSTERING = {"kmeans", "kmedoids", "wkmeans", "wkmedoids"}
 ALLOCATOR = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
@@ -70,7 +70,7 @@ def layer_inputs(batch: int) -> LayerInputs:
     block = Block(C, num_heads=LAYER_SHAPE["heads"], qkv_bias=True).eval()
     x = torch.randn(batch, N, C)
     with torch.inference_mode():
-        _, received = block_parts(block).attention(block.norm1(x), None, True)
+        _, received = block_parts(block).attention(block.norm1(x), None, "received")
         feats = block(x)
     assert received is not None
     return LayerInputs(block, x, feats[:, 1:].contiguous(), received[:, 1:].contiguous())
@@ -98,8 +98,8 @@ def bench_layer(args: argparse.Namespace) -> list[dict[str, Any]]:
     attention = block_parts(block).attention  # the attention the host adapter runs
     fns: dict[str, Callable[[], Any]] = {
         "block": lambda: block(x),
-        "scores": lambda: attention(block.norm1(x), None, True),
-        "block_fused_attn": lambda: attention(block.norm1(x), None, False),
+        "scores": lambda: attention(block.norm1(x), None, "received"),
+        "block_fused_attn": lambda: attention(block.norm1(x), None, None),
     }
     for method in args.methods:
         layer = pooling_layer(method)
@@ -165,7 +165,7 @@ def bench_timm(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     import timm
 
-    from leanformer.patch.timm import apply_token_pooling
+    from leanformer.patch.api import apply_token_pooling
 
     torch.manual_seed(0)
     base = timm.create_model("deit_small_patch16_224", pretrained=False).eval()

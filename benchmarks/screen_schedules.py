@@ -36,7 +36,6 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
-from leanformer.apps.gflops_budget import check_gflops_budget
 from leanformer.apps.tradeoff import solve_method_budget, with_method
 from leanformer.bench.flops import count_gflops
 from leanformer.bench.results import results_path, run_stamp, write_jsonl
@@ -44,8 +43,9 @@ from leanformer.config import DataConfig
 from leanformer.engine.builders import build_split
 from leanformer.engine.checkpoint import load_model
 from leanformer.engine.evaluate import evaluate
-from leanformer.layers.token_pooling import pooling_method
 from leanformer.models.registry import create_model
+from leanformer.pooling.budgets import check_gflops_budget
+from leanformer.pooling.registry import pooling_method
 
 
 def _numbers(parser: argparse.ArgumentParser, flag: str, text: str) -> list[float]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import leanformer
-from leanformer.layers.token_pooling import list_methods
+from leanformer.pooling.registry import list_methods
 
 
 @pytest.mark.parametrize("name", [None, 5, ["deit_test"]])

@@ -8,7 +8,7 @@ import pytest
 
 from leanformer.cli import build_parser
 from leanformer.config import load_config, to_dict
-from leanformer.layers.budgets import (
+from leanformer.pooling.budgets import (
     PRESETS,
     KeepSchedule,
     budget_to_count,

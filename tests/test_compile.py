@@ -24,9 +24,9 @@ import timm
 import torch
 from torch import nn
 
-from leanformer.layers.token_pooling import build_reducers, list_methods
 from leanformer.models.registry import create_model
-from leanformer.patch.timm import apply_reducers, apply_token_pooling
+from leanformer.patch.api import apply_reducers, apply_token_pooling
+from leanformer.pooling.registry import build_reducers, list_methods
 from tiny_vit import tiny_vit
 
 CLUSTERING = ("kmeans", "kmedoids", "wkmeans", "wkmedoids")

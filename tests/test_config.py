@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from leanformer.config import RunConfig, apply_overrides, load_config
-from leanformer.layers.budgets import parse_keep
+from leanformer.pooling.budgets import parse_keep
 
 
 def test_yaml_then_overrides(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from leanformer.cli import build_parser, main
 from leanformer.commands import demo_deit, demo_drrt, demo_perceiver, demo_sret, tradeoff, train
 from leanformer.commands._options import add_config_flags, config_flags_given
 from leanformer.config import Flag, declared_flags, load_config, positive_int, positive_number, to_dict
-from leanformer.layers.budgets import parse_keep
+from leanformer.pooling.budgets import parse_keep
 
 # A value each kind of flag accepts, as typed; a new kind needs a sample here.
 SAMPLES = {

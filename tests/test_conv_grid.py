@@ -20,10 +20,11 @@ from torch import Tensor, nn
 
 import leanformer
 from leanformer.apps.cluster_maps import patch_assignment, trace_token_sources
-from leanformer.layers.host_adapter import UnsupportedHostError, installed, pooled_block_forward
-from leanformer.layers.timm_host import block_parts
-from leanformer.layers.token_pooling import ConvDownsample, TokenSelection
-from leanformer.patch.timm import apply_reducers
+from leanformer.patch.adapter import UnsupportedHostError, installed, pooled_block_forward
+from leanformer.patch.api import apply_reducers
+from leanformer.patch.timm import block_parts
+from leanformer.pooling.methods.conv import ConvDownsample
+from leanformer.pooling.methods.selection import TokenSelection
 from tiny_vit import tiny_vit
 
 transformers = pytest.importorskip("transformers")

@@ -9,17 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from leanformer.apps.gflops_budget import (
-    check_gflops_budget,
-    gflops_label,
-    parse_gflops_text,
-    shaped_ratios,
-    solve_keep_ratios,
-)
+from leanformer.apps.gflops_budget import gflops_label
 from leanformer.apps.sweep_config import budget_label, keep_value, sweep_config_from_dict
 from leanformer.apps.tradeoff import iter_rows, run_sweep, with_method
 from leanformer.bench.flops import count_gflops
 from leanformer.engine.builders import build_split
+from leanformer.pooling.budgets import check_gflops_budget, parse_gflops_text
+from leanformer.pooling.gflops import shaped_ratios, solve_keep_ratios
 from sweep_models import untrained_deit_test
 
 DATA = {"name": "digits", "img_size": 16, "limit_test": 48, "eval_batch_size": 48, "batch_size": 16}

@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from leanformer.bench.flops import count_gflops
-from leanformer.layers.budgets import KeepSchedule, parse_keep
-from leanformer.layers.gflops_keep import solve_gflops
-from leanformer.layers.token_pooling import list_methods
 from leanformer.models.registry import create_model
 from leanformer.patch.api import apply_token_pooling, remove_token_pooling
 from leanformer.patch.timm import create_timm_model
+from leanformer.pooling.budgets import KeepSchedule, parse_keep
+from leanformer.pooling.gflops import solve_gflops
+from leanformer.pooling.registry import list_methods
 
 # `none` reduces nothing whatever the budget. `conv` reaches 0.5x with two layers (its
 # placements are tested below). The clusterings are slow to count (every candidate runs

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 import leanformer
 from leanformer.bench.flops import count_gflops
-from leanformer.layers.budgets import parse_keep
-from leanformer.layers.token_pooling import list_methods
+from leanformer.pooling.budgets import parse_keep
+from leanformer.pooling.registry import list_methods
 
 transformers = pytest.importorskip("transformers")
 

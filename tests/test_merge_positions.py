@@ -21,13 +21,14 @@ import torch
 from torch import Tensor, nn
 
 import leanformer
-from leanformer.layers.budgets import Budget, budget_to_count
-from leanformer.layers.reducer import compose_assignments
-from leanformer.layers.token_pooling import ConvDownsample, build_reducers
 from leanformer.models.registry import create_model
 from leanformer.ops.cluster_plan import weighted_segment_mean
 from leanformer.ops.merging import bipartite_merge_plan
-from leanformer.patch.timm import apply_reducers
+from leanformer.patch.api import apply_reducers
+from leanformer.pooling.budgets import Budget, budget_to_count
+from leanformer.pooling.methods.conv import ConvDownsample
+from leanformer.pooling.reducer import compose_assignments
+from leanformer.pooling.registry import build_reducers
 
 KEEP = 0.6
 # method -> the place it reduces at

@@ -9,17 +9,14 @@ from timm.models.vision_transformer import Block as TimmBlock
 from torch import nn
 
 import leanformer
-from leanformer.layers.host_adapter import pooled_block_forward
-from leanformer.layers.reducer import reduce_tokens
-from leanformer.layers.timm_host import block_parts
-from leanformer.layers.token_pooling import (
-    ClusterPooling,
-    ConvDownsample,
-    TokenSelection,
-    build_reducers,
-    list_methods,
-)
 from leanformer.models.registry import create_model
+from leanformer.patch.adapter import pooled_block_forward
+from leanformer.patch.timm import block_parts
+from leanformer.pooling.methods.clustering import ClusterPooling
+from leanformer.pooling.methods.conv import ConvDownsample
+from leanformer.pooling.methods.selection import TokenSelection
+from leanformer.pooling.reducer import reduce_tokens
+from leanformer.pooling.registry import build_reducers, list_methods
 
 METHODS = [m for m in list_methods() if m != "none"]
 
@@ -161,14 +158,16 @@ def test_carry_sizes_through_a_block() -> None:
     blk = TimmBlock(8, num_heads=2).eval()
     reducer = TokenSelection(keep=3, mode="topk", carry=True)
     x = torch.randn(2, 1 + 6, 8)
-    out, sizes = pooled_block_forward(block_parts(blk), x, None, reducer, 1, "attn")
+    out, sizes, _ = pooled_block_forward(block_parts(blk), x, None, reducer, 1, "attn")
     # Selected tokens keep their size, 1: implicit sizes stay None even with carry.
     assert out.shape == (2, 4, 8) and sizes is None
     sizes = torch.ones(2, 4)
-    kept, ksizes = pooled_block_forward(block_parts(blk), x, torch.ones(2, 7), reducer, 1, "attn")
+    kept, ksizes, _ = pooled_block_forward(block_parts(blk), x, torch.ones(2, 7), reducer, 1, "attn")
     torch.testing.assert_close(kept, out)
     torch.testing.assert_close(ksizes, sizes)
-    merged, msizes = reduce_tokens(TokenSelection(keep=2, mode="random", carry=True), out, sizes * 3, None, 1)
+    merged, msizes, _ = reduce_tokens(
+        TokenSelection(keep=2, mode="random", carry=True), out, sizes * 3, None, 1
+    )
     assert merged.shape == (2, 3, 8) and msizes is not None
     torch.testing.assert_close(msizes, torch.tensor([[3.0, 3.0, 3.0]] * 2))
 
@@ -259,8 +258,8 @@ def test_reduce_after_mlp_option() -> None:
 @pytest.mark.slow
 def test_deit_small_gflops_match_the_paper(monkeypatch: pytest.MonkeyPatch) -> None:
     from leanformer.bench.flops import count_gflops
-    from leanformer.layers import token_pooling
     from leanformer.ops import kmedoids_native, medoid_distances, token_distances
+    from leanformer.pooling.methods import clustering as clustering_methods
 
     x = torch.randn(1, 3, 224, 224)
 
@@ -285,7 +284,7 @@ def test_deit_small_gflops_match_the_paper(monkeypatch: pytest.MonkeyPatch) -> N
         return real(x, y, **kw)  # type: ignore[arg-type]
 
     shapes: list[tuple[int, int, int]] = []
-    real_plan = token_pooling.kmedoids_pooled
+    real_plan = clustering_methods.kmedoids_pooled
 
     def recording_plan(tokens: torch.Tensor, k: int, **kw: object) -> object:
         shapes.append((tokens.shape[1], k, tokens.shape[2]))
@@ -301,7 +300,7 @@ def test_deit_small_gflops_match_the_paper(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(kmedoids_native, "kmedoids_iterate_cpu", recording_kernel)
     monkeypatch.setattr(token_distances, "pairwise_sq_dists", recording)
     monkeypatch.setattr(medoid_distances, "pairwise_sq_dists", recording)
-    monkeypatch.setattr(token_pooling, "kmedoids_pooled", recording_plan)
+    monkeypatch.setattr(clustering_methods, "kmedoids_pooled", recording_plan)
     clustering = gflops(pool="wkmedoids", keep="deit_s_level3") - powerbert
     assert clustering == pytest.approx(sum(n * m * c for n, m, c in products) / 1e9, rel=1e-6)
     all_pairs = sum(n * n * c for n, _, c in shapes) / 1e9

@@ -23,10 +23,10 @@ import timm
 import torch
 from torch import Tensor, nn
 
-from leanformer.layers.budgets import parse_keep, parse_r, tome_schedule
 from leanformer.models.registry import create_model
 from leanformer.ops.tome import tome_merge_plan
 from leanformer.patch.api import apply_token_pooling
+from leanformer.pooling.budgets import parse_keep, parse_r, tome_schedule
 
 transformers = pytest.importorskip("transformers")
 

@@ -25,8 +25,8 @@ from leanformer.apps.tradeoff import add_relative, markdown_table, run_sweep, su
 from leanformer.commands import demo_tokenpool, tradeoff, visualize_clusters
 from leanformer.engine.builders import build_split
 from leanformer.engine.evaluate import evaluate
-from leanformer.layers.budgets import budget_to_count
 from leanformer.models.registry import create_model
+from leanformer.pooling.budgets import budget_to_count
 from sweep_models import untrained_deit_test
 
 REPO = Path(__file__).resolve().parents[1]
@@ -291,7 +291,7 @@ def _finite_difference_members(
 
 @pytest.mark.parametrize("method", ["wkmedoids", "kmeans", "powerbert", "merge"])
 def test_trace_matches_finite_differences(method: str) -> None:
-    from leanformer.layers.token_pooling import build_reducers
+    from leanformer.pooling.registry import build_reducers
 
     torch.manual_seed(0)
     model = with_method(untrained_deit_test(), method, [9, 4, 2], carry=False, options={})

@@ -23,7 +23,7 @@ from leanformer.allocator import configure_allocator
 from leanformer.commands import add_common_arguments, discover
 from leanformer.device import check_device
 from leanformer.errors import NonFiniteLossError, UnverifiedCheckpointWarning
-from leanformer.layers.budgets import KeepSchedule
+from leanformer.pooling.budgets import KeepSchedule
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):

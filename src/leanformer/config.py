@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from leanformer.layers.budgets import KEEP_HELP, KeepSchedule, parse_keep
+from leanformer.pooling.budgets import KEEP_HELP, KeepSchedule, parse_keep
 from leanformer.strict_yaml import DuplicateKeyError, safe_load_strict
 from leanformer.typed_values import coerce_value, parse_scalar
 

@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from leanformer.layers.reducer import BudgetedReducer, Grid, count_after, reads_grid
+from leanformer.pooling.reducer import BudgetedReducer, Grid, count_after, reads_grid
 
 
 class _SourceProbe(nn.Module):

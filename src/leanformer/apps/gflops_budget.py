@@ -1,10 +1,10 @@
 """Sweep budgets given as a cost: ``{"gflops": 0.5}`` (``g0.5`` on the command line, ``0.5x``
 as everywhere else) is "this method at half the unpooled model's GFLOPs".
 
-The spellings and the solver are the library's (:mod:`leanformer.layers.budgets`,
-:mod:`leanformer.layers.gflops_keep`); here are the sweep's names for its points.
-Spellings: ``{"gflops": 0.5}``, ``{"gflops": 0.36, "tilt": -1.2}`` or
-``{"gflops": 0.36, "bend": 1}`` in a sweep file; ``0.5x``, ``g0.5``, ``g0.36t-1.2``,
+The spellings are :mod:`leanformer.pooling.budgets`'s and the solver is
+:mod:`leanformer.pooling.gflops`; here are the sweep's names for its points. Spellings:
+``{"gflops": 0.5}``, ``{"gflops": 0.36, "tilt": -1.2}`` or ``{"gflops": 0.36, "bend": 1}``
+in a sweep file; ``0.5x``, ``g0.5``, ``g0.36t-1.2``,
 ``g0.36b1`` or ``g0.36t-1.2b1`` on the command line (``--budget``); tables name them by
 their numbers (``g0.5``, ``g0.36t-1.2``, ``g0.36b1.0``).
 """
@@ -14,22 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from leanformer.layers.budgets import MAX_BEND, MAX_TILT, check_gflops_budget, parse_gflops_text
-from leanformer.layers.gflops_keep import shaped_ratios, solve_keep_ratios
+from leanformer.pooling.budgets import check_gflops_budget
 
-__all__ = [
-    "BEND",
-    "GFLOPS",
-    "MAX_BEND",
-    "MAX_TILT",
-    "TILT",
-    "check_gflops_budget",
-    "gflops_label",
-    "is_gflops_budget",
-    "parse_gflops_text",
-    "shaped_ratios",
-    "solve_keep_ratios",
-]
+__all__ = ["BEND", "GFLOPS", "TILT", "gflops_label", "is_gflops_budget"]
 
 GFLOPS = "gflops"
 TILT = "tilt"

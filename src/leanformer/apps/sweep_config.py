@@ -11,17 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from leanformer.apps.gflops_budget import (
-    check_gflops_budget,
-    gflops_label,
-    is_gflops_budget,
-    parse_gflops_text,
-)
+from leanformer.apps.gflops_budget import gflops_label, is_gflops_budget
 from leanformer.config import DataConfig, check_seed, comma_list, flag, from_dict, read_yaml_mapping
 from leanformer.device import check_device
-from leanformer.layers.budgets import parse_keep
-from leanformer.layers.token_pooling import METHODS, list_methods, pooling_method
 from leanformer.models.pretrained import model_card
+from leanformer.pooling.budgets import check_gflops_budget, parse_gflops_text, parse_keep
+from leanformer.pooling.registry import METHODS, list_methods, pooling_method
 
 
 def keep_value(text: str) -> Any:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
-from leanformer.apps.gflops_budget import check_gflops_budget, gflops_label, is_gflops_budget
+from leanformer.apps.gflops_budget import gflops_label, is_gflops_budget
 from leanformer.apps.plots import plot_tradeoff
 from leanformer.apps.sweep_config import (
     BASELINE,
@@ -54,13 +54,13 @@ from leanformer.engine.evaluate import evaluate
 from leanformer.engine.folder_lock import locked_folder
 from leanformer.engine.run_folder import clear_run
 from leanformer.engine.train import fit
-from leanformer.layers.budgets import KeepSchedule
-from leanformer.layers.gflops_keep import solve_gflops
-from leanformer.layers.token_pooling import NothingPlaced
 from leanformer.models.pretrained import file_sha256
 from leanformer.models.registry import model_info
 from leanformer.patch.api import adapt, apply_token_pooling, is_patched, remove_token_pooling
 from leanformer.patch.timm import create_timm_model
+from leanformer.pooling.budgets import KeepSchedule, check_gflops_budget
+from leanformer.pooling.gflops import solve_gflops
+from leanformer.pooling.registry import NothingPlaced
 from leanformer.progress import progress_bar
 
 # --- base model -------------------------------------------------------------------------
@@ -358,7 +358,7 @@ def solve_method_budget(
     """The per-block budgets with which ``method`` on ``base`` meets the GFLOPs budget
     ``keep`` (e.g. ``{"gflops": 0.5}``), GFLOPs counted on ``example`` as
     :func:`measure_point` counts them; ``name`` prefixes any error. The library's solver
-    (:func:`leanformer.layers.gflops_keep.solve_gflops`), taking the cheapest point at most
+    (:func:`leanformer.pooling.gflops.solve_gflops`), taking the cheapest point at most
     at the target whatever its distance (the row records the GFLOPs reached): per-block
     keep ratios, or ToMe's ``"r<r>"`` for ``tome``."""
     plain = with_method(base, BASELINE, None, carry=False, options={})

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from leanformer.config import RunConfig, declared_flags, parse_scalar, to_dict
-from leanformer.layers.budgets import KeepSchedule, parse_keep
 from leanformer.models.query_budget import check_query_count, has_query_budget
 from leanformer.ops.query_selection import check_dqs_threshold
+from leanformer.pooling.budgets import KeepSchedule, parse_keep
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -91,7 +91,7 @@ def figure_path(out: str, default_name: str) -> Path:
 
 
 def keep_argument(text: str) -> KeepSchedule:
-    """``--keep``: :func:`leanformer.layers.budgets.parse_keep`, its errors as usage errors."""
+    """``--keep``: :func:`leanformer.pooling.budgets.parse_keep`, its errors as usage errors."""
     return argument_type(parse_keep)(text)
 
 

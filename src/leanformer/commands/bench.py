@@ -147,7 +147,7 @@ def solved_budget(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -
     """``keep_schedule`` (the per-block budgets a GFLOPs fraction such as ``0.5x`` was solved
     into) and ``gflops_ratio`` (the model's GFLOPs over its unpooled copy's, counted on
     ``inputs``); None for a model without such a budget."""
-    from leanformer.layers.pooling_state import TokenPooling
+    from leanformer.pooling.state import TokenPooling
 
     pooling = getattr(model, "token_pooling", None)
     keep = pooling.keep if isinstance(pooling, TokenPooling) else None

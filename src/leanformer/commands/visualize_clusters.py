@@ -16,7 +16,7 @@ from torch import nn
 
 from leanformer.commands import given
 from leanformer.commands._options import keep_argument
-from leanformer.layers.budgets import KEEP_HELP, KeepSchedule, parse_keep
+from leanformer.pooling.budgets import KEEP_HELP, KeepSchedule, parse_keep
 
 COMMAND = ("visualize", "clusters")
 HELP = "colour the token clusters of a token-pooled model over input images (PNG per example)"

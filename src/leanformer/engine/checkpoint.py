@@ -29,9 +29,9 @@ from safetensors.torch import save as serialize
 from torch import Tensor, nn
 
 from leanformer.errors import UnverifiedCheckpointWarning
-from leanformer.layers.pooling_state import resolve_gflops_budget
 from leanformer.models.registry import create_model
 from leanformer.models.state_loading import check_finite_state, load_state_lenient
+from leanformer.pooling.state import resolve_gflops_budget
 
 # Version 2 records the whole file's SHA-256; version 1 files had a tensor-bytes digest or none.
 FORMAT = "leanformer-checkpoint-2"

@@ -2,7 +2,7 @@
 
 The Visual Perceiver's latent self-attention and DRRT's pair embedding use it; vision
 transformers over patch tokens are timm ``VisionTransformer`` configurations (see
-:mod:`leanformer.models.deit`), token-pooled through :mod:`leanformer.layers.host_adapter`.
+:mod:`leanformer.models.deit`), token-pooled through :mod:`leanformer.patch.adapter`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ presets use patch 4 at 32x32 (64 tokens + class token) for the bundled data.
 A model here *is* a timm ``VisionTransformer`` (``VisionTransformerDistilled`` when
 ``distilled=True``): the same blocks, state-dict keys and ``forward_features`` /
 ``forward_head``. ``pool``/``keep``/``carry`` install token pooling through
-:mod:`leanformer.layers.timm_host`, exactly as :func:`leanformer.apply_token_pooling`
+:mod:`leanformer.patch.timm`, exactly as :func:`leanformer.apply_token_pooling`
 does on any timm ViT, so ``model.token_pooling.keep`` changes the budget at run time.
 Importing this module also registers every preset in timm's registry
 (``timm.create_model("deit_small")``), each with a ``pretrained_cfg``.
@@ -24,7 +24,6 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
-from leanformer.layers.budgets import KeepLike
 from leanformer.layers.checks import (
     check_positive,
     check_positive_number,
@@ -33,12 +32,13 @@ from leanformer.layers.checks import (
     hidden_width,
 )
 from leanformer.layers.classifier import classifier
-from leanformer.layers.host_adapter import install
 from leanformer.layers.init import init_vit_weights
 from leanformer.layers.patch_embed import check_image_sides, to_2tuple
-from leanformer.layers.reducer import ReducePosition
-from leanformer.layers.timm_host import adapt
 from leanformer.models.registry import create_model, register
+from leanformer.patch.adapter import install
+from leanformer.patch.timm import adapt
+from leanformer.pooling.budgets import KeepLike
+from leanformer.pooling.reducer import ReducePosition
 
 # Token pooling from before the DeiT family was a timm configuration kept a reducer
 # per block ("blocks.3.reducer.conv.weight"); it now lives in model.token_pooling.
@@ -49,7 +49,7 @@ class DeiT(VisionTransformer):
     """Vision transformer with class (+ optional distillation) token.
 
     ``pool``/``keep``/``carry`` apply token pooling (see
-    :mod:`leanformer.layers.token_pooling`); ``pool="none"`` is the plain model. Any
+    :mod:`leanformer.pooling.registry`); ``pool="none"`` is the plain model. Any
     input size works (``dynamic_img_size``: position embeddings are resampled).
     """
 

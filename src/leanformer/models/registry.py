@@ -18,9 +18,9 @@ from typing import Any
 from torch import nn
 
 import leanformer.models as pkg
-from leanformer.layers.pooling_state import resolve_gflops_budget
 from leanformer.memory_budget import check_model_budget
 from leanformer.models.pretrained import load_pretrained, model_card
+from leanformer.pooling.state import resolve_gflops_budget
 
 
 @dataclass(frozen=True)

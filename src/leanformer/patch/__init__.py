@@ -1,6 +1,8 @@
-"""Adapters that apply leanformer's methods to third-party models (timm, Hugging Face).
+"""The host adapters: leanformer's token reduction applied to third-party models (timm,
+Hugging Face), one module per host.
 
 :mod:`leanformer.patch.api` holds the entry points (``apply_token_pooling``,
-``remove_token_pooling``, ``is_patched``); :mod:`leanformer.layers.host_adapter` the adapter
-interface; one module per host library implements it.
+``remove_token_pooling``, ``apply_reducers``, ``is_patched``); :mod:`leanformer.patch.adapter`
+the adapter interface and the shared step a patched block runs; :mod:`leanformer.patch.timm`
+and :mod:`leanformer.patch.transformers` the hosts.
 """

@@ -9,18 +9,25 @@ installed versions.
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Sequence
 from typing import Any
 
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from leanformer.layers.budgets import KeepLike, parse_r
-from leanformer.layers.host_adapter import HostAdapter, UnsupportedHostError, install, unpatch_host
-from leanformer.layers.pooling_state import TokenPooling
-from leanformer.layers.reducer import ReducePosition
-from leanformer.layers.timm_host import adapt as adapt_timm
+from leanformer.patch.adapter import (
+    HostAdapter,
+    UnsupportedHostError,
+    install,
+    install_reducers,
+    unpatch_host,
+)
+from leanformer.patch.timm import adapt as adapt_timm
+from leanformer.pooling.budgets import KeepLike, parse_r
+from leanformer.pooling.reducer import ReducePosition
+from leanformer.pooling.state import TokenPooling
 
-__all__ = ["adapt", "apply_token_pooling", "is_patched", "remove_token_pooling"]
+__all__ = ["adapt", "apply_reducers", "apply_token_pooling", "is_patched", "remove_token_pooling"]
 
 
 def _version(package: str) -> str:
@@ -63,17 +70,17 @@ def apply_token_pooling(
     one keep ratio for every block (a float: ``1.0`` keeps all, a bare int is refused), a
     named schedule (e.g. ``"deit_s_level3"``), ToMe's ``{"r": 16}`` (remove 16 tokens per
     block), a fraction of the unpooled model's GFLOPs (``"0.5x"``, solved for the method
-    on this model) or a :class:`leanformer.layers.budgets.KeepSchedule`: anything
-    :func:`leanformer.layers.budgets.parse_keep` reads; change it later with
+    on this model) or a :class:`leanformer.pooling.budgets.KeepSchedule`: anything
+    :func:`leanformer.pooling.budgets.parse_keep` reads; change it later with
     ``model.token_pooling.keep = ...``. ``r``: ToMe's spelling instead of ``keep`` (an
     int, one per block, or ToMe's ``(r, inflection)`` schedule), as in
     ``apply_token_pooling(model, method="tome", r=16)``. ``method``: any name of
-    :func:`leanformer.layers.token_pooling.list_methods`. ``carry``: track token sizes
+    :func:`leanformer.pooling.registry.list_methods`. ``carry``: track token sizes
     and weigh keys (and an average or attention pool) by them. ``reduce_at``: where each
     block reduces, ``"attn"`` (between attention and MLP, the default), ``"mlp"`` (after
     the MLP), ``"input"`` (before the attention) or ``"entry"`` (as ``"attn"``, with one
     more step before the first attention when the budget is tight, sized by
-    :func:`leanformer.layers.reducer.entry_count`); ``inputmerge`` always
+    :func:`leanformer.pooling.reducer.entry_count`); ``inputmerge`` always
     reduces at ``"input"`` and ``entrymerge`` at ``"entry"``. Prefix tokens (class,
     distillation, registers) are never pooled. Returns the model.
     """
@@ -82,6 +89,21 @@ def apply_token_pooling(
             raise ValueError("give keep= or ToMe's r=, not both")
         keep = parse_r(r)
     return install(adapt(model), keep=keep, method=method, carry=carry, reduce_at=reduce_at, **options)
+
+
+def apply_reducers(
+    model: nn.Module,
+    reducers: Sequence[nn.Module | None],
+    *,
+    reduce_at: ReducePosition = "attn",
+) -> nn.Module:
+    """Install one reducer (or None) per block of a supported host, in place; returns the model.
+
+    The low-level form of :func:`apply_token_pooling` for reducers built by hand (any
+    object following :class:`leanformer.pooling.reducer.TokenReducer`); their budget
+    cannot be changed through ``model.token_pooling.keep``.
+    """
+    return install_reducers(adapt(model), reducers, reduce_at=reduce_at)
 
 
 def remove_token_pooling(model: nn.Module) -> nn.Module:

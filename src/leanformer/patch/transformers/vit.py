@@ -8,7 +8,7 @@ attention-pooling head gets the ``log(size)`` key bias when sizes are tracked).
 
 Each encoder layer is run from its own submodules (pre-norm, ``q_proj``/``k_proj``/
 ``v_proj``, ``o_proj``/``out_proj``, LayerScale, drop-path, MLP) by
-:mod:`leanformer.layers.host_adapter`; the attention goes through
+:mod:`leanformer.patch.adapter`; the attention goes through
 :func:`leanformer.ops.attention.attention`. Nothing of the host's forward code is
 copied, and a layer whose class ``forward`` differs from the one known here is refused.
 """
@@ -23,7 +23,8 @@ from typing import Any
 import transformers
 from torch import Tensor, nn
 
-from leanformer.layers.host_adapter import (
+from leanformer.ops.attention import attention
+from leanformer.patch.adapter import (
     BlockParts,
     HostAdapter,
     Override,
@@ -31,8 +32,8 @@ from leanformer.layers.host_adapter import (
     nothing_to_pool,
     single_conv,
 )
-from leanformer.layers.pooling_state import TokenPooling
-from leanformer.ops.attention import attention
+from leanformer.pooling.reducer import ScoreKind
+from leanformer.pooling.state import TokenPooling
 
 __all__ = ["adapt", "supported_models"]
 
@@ -111,10 +112,10 @@ class _Attention:
         self.out_proj = attn.o_proj if hasattr(attn, "o_proj") else attn.out_proj
 
     def __call__(
-        self, x: Tensor, sizes: Tensor | None, need_received: bool, need_keys: bool = False
+        self, x: Tensor, sizes: Tensor | None, reads: ScoreKind = None
     ) -> tuple[Tensor, Tensor | None]:
-        """``need_keys``: return the keys averaged over heads ``[B, N, D]`` (ToMe's
-        similarity) in place of the attention received."""
+        """``reads``: what to return beside the output: the attention each token received
+        ``[B, N]``, the keys averaged over heads ``[B, N, D]`` (ToMe's similarity) or None."""
         attn, heads, head_dim, out_proj = self.attn, self.heads, self.head_dim, self.out_proj
         B, N, _ = x.shape
         q, k, v = (
@@ -127,10 +128,10 @@ class _Attention:
             v,
             sizes=sizes,
             dropout_p=self.dropout if attn.training else 0.0,
-            return_received=need_received,
+            return_received=reads == "received",
             scale=self.scale,
         )
-        if need_keys:
+        if reads == "keys":
             received = k.mean(dim=1)
         return out_proj(out.transpose(1, 2).reshape(B, N, heads * head_dim)), received
 

@@ -17,7 +17,7 @@ accepts
   ``{"r": [r_1, ..., r_L]}`` gives one ``r`` per block, and ``{"r": r, "inflection": i}``
   ToMe's linear schedule (see :func:`tome_schedule`; ``r=(r, i)`` in Python);
 - a fraction of the unpooled model's GFLOPs, ``"0.5x"``: solved per method and model
-  into per-block budgets (:mod:`leanformer.layers.gflops_keep`). ``{"gflops": 0.5}`` and
+  into per-block budgets (:mod:`leanformer.pooling.gflops`). ``{"gflops": 0.5}`` and
   ``"g0.5"`` (the trade-off sweep's spellings, which also take a ``tilt`` and a ``bend``
   of the schedule: ``"g0.36t-1.2b1"``) mean the same;
 - a named preset from the paper's appendix G (tables 3-5): ``deit_s_level0`` ...
@@ -91,7 +91,7 @@ class KeepSchedule:
     of a given host. ``str()`` gives the command-line spelling and :meth:`to_value` a plain
     value for YAML/JSON; both parse back to an equal schedule. A GFLOPs fraction has no
     per-block budgets of its own: they are solved for a method on a model
-    (:mod:`leanformer.layers.gflops_keep`).
+    (:mod:`leanformer.pooling.gflops`).
     """
 
     blocks: tuple[Budget, ...] | None = None  # one per block: int = token count, float = ratio

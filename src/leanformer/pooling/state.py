@@ -1,11 +1,11 @@
 """``model.token_pooling``: the reducers a patch installs, and the budget, changeable at run time.
 
 ``model.token_pooling.keep = 0.5`` (or a per-block list, a preset name, ``{"r": 16}``, a
-fraction of the GFLOPs ``"0.5x"``, any spelling :func:`leanformer.layers.budgets.parse_keep`
+fraction of the GFLOPs ``"0.5x"``, any spelling :func:`leanformer.pooling.budgets.parse_keep`
 reads) rebuilds the reducers for the new budget: the value is validated against the host's
 depth and token count first (a GFLOPs fraction is solved on the model), so a bad budget
 raises and leaves the old one in place. Reading it gives the parsed
-:class:`~leanformer.layers.budgets.KeepSchedule` as asked; :attr:`TokenPooling.schedule`
+:class:`~leanformer.pooling.budgets.KeepSchedule` as asked; :attr:`TokenPooling.schedule`
 gives the per-block budgets it was solved into. ``model.token_pooling.r = 8`` is ToMe's
 spelling of the same (``keep={"r": 8}``).
 """
@@ -18,9 +18,10 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from leanformer.layers.budgets import KeepSchedule, parse_keep, parse_r
-from leanformer.layers.gflops_keep import solve_gflops
-from leanformer.layers.reducer import (
+from leanformer.ops.flop_count import count_gflops
+from leanformer.pooling.budgets import KeepSchedule, parse_keep, parse_r
+from leanformer.pooling.gflops import solve_gflops
+from leanformer.pooling.reducer import (
     REDUCE_POSITIONS,
     BudgetedReducer,
     Grid,
@@ -30,10 +31,10 @@ from leanformer.layers.reducer import (
     count_after,
     entry_count,
     grid_after,
+    reduce_tokens,
     sees_prefix,
 )
-from leanformer.layers.token_pooling import NothingPlaced, build_reducers, pooling_method
-from leanformer.ops.flop_count import count_gflops
+from leanformer.pooling.registry import NothingPlaced, build_reducers, pooling_method
 
 __all__ = ["ReducePosition", "TokenPooling"]
 
@@ -98,7 +99,9 @@ class TokenPooling(nn.Module):
         # attribute stored before a later torch.cond, which the clusterings use compiled
         # (benchmarks/repro_dynamo_cond_attribute.py).
         # "handed": the sizes one block hands to the next, read once.
-        self._carried: dict[str, Tensor | None] = {"sizes": None, "handed": None}
+        # "entry": where the entry step sent each patch, while its record waits for the
+        # first block's own (reduce_at="entry" with trace_source).
+        self._carried: dict[str, Tensor | None] = {"sizes": None, "handed": None, "entry": None}
         # The patch grid of the latest embedded image (rows, cols), recorded where the host
         # embeds it and read by the first block; then the grid one block hands to the
         # next, for reducers that read it (conv). Dict entries, as for the sizes.
@@ -122,6 +125,7 @@ class TokenPooling(nn.Module):
             self.__dict__.setdefault(name, default)
         self.__dict__.setdefault("_grids", {"embedded": None, "handed": None})
         self._carried.setdefault("handed", None)
+        self._carried.setdefault("entry", None)
         self.overrides = [o if len(o) == 3 else (o[0], o[1], None) for o in self.overrides]
 
     @staticmethod
@@ -151,7 +155,7 @@ class TokenPooling(nn.Module):
         return counts
 
     def entry_count(self, n: int, grid: Grid | None = None) -> int:
-        """Patch tokens the ``entry`` step keeps of ``n`` (:func:`~leanformer.layers.reducer.entry_count`),
+        """Patch tokens the ``entry`` step keeps of ``n`` (:func:`~leanformer.pooling.reducer.entry_count`),
         from what the blocks' reducers keep without it (``grid``: the patches' raster, when known)."""
         counts = self.counts_after_blocks(n, grid)
         return entry_count(n, first=counts[0], last=counts[-1])
@@ -180,15 +184,34 @@ class TokenPooling(nn.Module):
         after a forward that failed) starts from nothing stale, and conv reads the count."""
         if index == 0:
             grid, self._grids["embedded"] = self._grids["embedded"], None
-            self._carried["handed"] = self._grids["handed"] = None
+            self._carried["handed"] = self._grids["handed"] = self._carried["entry"] = None
             return None, grid
         sizes, self._carried["handed"] = self._carried["handed"], None
         grid, self._grids["handed"] = self._grids["handed"], None
         return sizes, grid
 
+    def enter(
+        self, x: Tensor, sizes: Tensor | None, grid: Grid | None
+    ) -> tuple[Tensor, Tensor | None, Grid | None]:
+        """The ``entry`` step (``reduce_at="entry"``), before the first block's attention:
+        the embedded patches ``x [B, N, C]`` reduced once by the first block's reducer to
+        :meth:`entry_count` of them, when the budget is tight; as they came otherwise."""
+        reducer, patches = self.reducer(0), x.shape[1] - self.num_prefix
+        if reducer is None or (count := self.entry_count(patches, grid)) >= patches:
+            return x, sizes, grid
+        x, sizes, grid = reduce_tokens(reducer, x, sizes, None, self.num_prefix, count=count, grid=grid)
+        if getattr(reducer, "record", False):
+            self._carried["entry"] = reducer.last_assign  # type: ignore[attr-defined]
+        return x, sizes, grid
+
     def hand_on(self, index: int, sizes: Tensor | None, grid: Grid | None) -> None:
         """What block ``index`` leaves: ``sizes`` (kept as :attr:`sizes` for the final pool)
         and, unless it is the last block, both for the next block."""
+        entry, self._carried["entry"] = self._carried["entry"], None
+        if entry is not None:
+            # The first block's reducer ran twice; its record maps each patch through both.
+            reducer: Any = self.reducer(index)
+            reducer.last_assign = compose_assignments(entry, reducer.last_assign)
         self.sizes = sizes
         if index + 1 < self.depth:
             self._carried["handed"], self._grids["handed"] = sizes, grid
@@ -261,7 +284,7 @@ class TokenPooling(nn.Module):
 
     def solve(self, schedule: KeepSchedule) -> KeepSchedule:
         """The per-block budgets with which this model spends ``schedule.gflops`` of its
-        unpooled GFLOPs (:func:`leanformer.layers.gflops_keep.solve_gflops`), counted on
+        unpooled GFLOPs (:func:`leanformer.pooling.gflops.solve_gflops`), counted on
         ``SOLVE_IMAGES`` seeded random images at the configured size (one, for a method whose
         cost the images do not change). Leaves the reducers as they were."""
         owner, shape = self.__dict__.get("_owner"), self.example_shape

@@ -1,28 +1,33 @@
-"""``method="tome"``: ToMe's token merging exactly as published (:mod:`leanformer.ops.tome`).
+"""Merging methods: ``tome`` (ToMe exactly as published, :mod:`leanformer.ops.tome`), and
+``merge``, ``stepmerge``, ``inputmerge``, ``entrymerge`` (ToMe-like bipartite soft matching
+down to a count or ratio, :mod:`leanformer.ops.merging`). Merged tokens are size-weighted
+means of the tokens they stand for.
 
-Unlike the other reducers, a :class:`ToMeMerging` sees the whole token sequence of its
-block, prefix tokens included (ToMe's alternate split counts the class token as the first
+``tome``: unlike the other reducers, a :class:`ToMeMerging` sees the whole token sequence of
+its block, prefix tokens included (ToMe's alternate split counts the class token as the first
 A token), and reads the block's attention keys averaged over heads (``needs_keys``). It
 sits where ToMe merges, between the block's attention and its MLP, and always tracks token
 sizes (ToMe's merges are size-weighted averages); ``carry`` decides only whether later
 attention adds ``log(size)`` to the logits (ToMe's proportional attention, on by default in
-:func:`leanformer.apply_token_pooling`).
-
-Its budget is ToMe's ``r`` (tokens removed by this block, capped at half of the tokens that
-are not prefix tokens), or a token count or keep ratio that removes at most that half.
+:func:`leanformer.apply_token_pooling`). Its budget is ToMe's ``r`` (tokens removed by this
+block, capped at half of the tokens that are not prefix tokens), or a token count or keep
+ratio that removes at most that half.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from leanformer.layers.budgets import Budget, budget_to_count, parse_keep
-from leanformer.layers.reducer import Grid
 from leanformer.ops.cluster_plan import weighted_segment_mean
+from leanformer.ops.merging import bipartite_merge_plan, round_ratio
 from leanformer.ops.tome import tome_merge_plan, tome_removals
+from leanformer.pooling.budgets import Budget, budget_to_count, parse_keep
+from leanformer.pooling.reducer import Grid, ReducerBase
+from leanformer.pooling.registry import PoolingMethod, register
 
 
 def check_tome_budget(budget: Budget, n: int, block: int) -> None:
@@ -75,7 +80,7 @@ class ToMeMerging(nn.Module):
         # torch.compile reads a float attribute that differs between models of one code
         # (two patched models at 0.9 and 0.8) as a symbolic float, and traces every shape
         # that follows from it symbolically, minutes for a tiny model; a string is a
-        # constant it guards on, so the ratio is read back from its text (as _Reducer does).
+        # constant it guards on, so the ratio is read back from its text (as ReducerBase does).
         self._ratio_text = repr(value) if isinstance(value, float) else None
 
     def output_count(self, n: int, grid: Grid | None = None) -> int:
@@ -150,3 +155,67 @@ def build_tome(
         reducers.append(ToMeMerging(keep=budget, carry=carry) if binds else None)
         n = k
     return reducers
+
+
+class TokenMerging(ReducerBase):
+    """ToMe-style bipartite soft matching down to K tokens; merged features and sizes
+    are size-weighted means and sums. ``round_fraction``: the most one matching round may
+    remove (ToMe: 0.5; see :mod:`leanformer.ops.merging`)."""
+
+    needs_received = False
+
+    def __init__(self, *, keep: Budget, carry: bool = False, round_fraction: float = 0.5) -> None:
+        super().__init__(keep=keep, carry=carry)
+        self.round_fraction = round_fraction
+        self.round_ratio = round_ratio(round_fraction)  # what forward reads: ints (see round_ratio)
+
+    def _reduce(
+        self, tokens: Tensor, sizes: Tensor | None, received: Tensor | None, k: int, grid: Grid | None
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        assign = bipartite_merge_plan(tokens, k, sizes=sizes, round_fraction=self.round_ratio)
+        w = sizes if sizes is not None else tokens.new_ones(tokens.shape[:2])
+        out, out_sizes = weighted_segment_mean(tokens, w.to(tokens.dtype), assign, k)
+        return out, (out_sizes if sizes is not None else None), assign
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, round_fraction={self.round_fraction}"
+
+
+def _merge(round_fraction: float) -> Callable[..., nn.Module]:
+    def make(*, keep: Budget, carry: bool) -> nn.Module:
+        return TokenMerging(keep=keep, carry=carry, round_fraction=round_fraction)
+
+    return make
+
+
+register(
+    PoolingMethod(
+        "tome",
+        "ToMe exactly: bipartite soft matching on the attention keys, r tokens per block",
+        None,
+        build=build_tome,
+        reduce_at="attn",
+        sizes_always=True,
+    )
+)
+register(PoolingMethod("merge", "ToMe-like bipartite soft matching on the tokens", _merge(0.5)))
+register(
+    PoolingMethod("stepmerge", "bipartite merging in rounds of at most a quarter of the tokens", _merge(0.25))
+)
+register(
+    PoolingMethod(
+        "inputmerge",
+        "ToMe bipartite soft matching at each block's input, before its attention",
+        _merge(0.5),
+        reduce_at="input",
+    )
+)
+register(
+    PoolingMethod(
+        "entrymerge",
+        "ToMe bipartite soft matching after each attention, and once before the first block "
+        "when the budget is tight",
+        _merge(0.5),
+        reduce_at="entry",
+    )
+)

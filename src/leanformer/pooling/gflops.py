@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from leanformer.layers.budgets import KeepSchedule, check_gflops_budget, effective_counts
+from leanformer.pooling.budgets import KeepSchedule, check_gflops_budget, effective_counts
 
 # A solved budget lands within this fraction of its target, or is refused.
 TOLERANCE = 0.02

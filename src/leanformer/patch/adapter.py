@@ -28,26 +28,26 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from leanformer.layers.budgets import KeepLike, KeepSchedule, parse_keep
-from leanformer.layers.pooling_state import ReducePosition, TokenPooling
-from leanformer.layers.reducer import (
+from leanformer.pooling.budgets import KeepLike, KeepSchedule, parse_keep
+from leanformer.pooling.reducer import (
     BEFORE_ATTENTION,
     Grid,
+    ScoreKind,
     TokenReducer,
-    compose_assignments,
-    grid_after,
     reads_grid,
     reduce_tokens,
+    scores_read,
     takes_a_count,
 )
-from leanformer.layers.token_pooling import build_reducers, method_reduce_at, pooling_method
+from leanformer.pooling.registry import build_reducers, method_reduce_at, pooling_method
+from leanformer.pooling.state import ReducePosition, TokenPooling
 
 Override = tuple[nn.Module, str, Any]  # set on the instance; what it replaced is put back to undo
 
-# attention(normed x [B, N, C], sizes [B, N] | None, need_received, need_keys=False)
-#   -> (out [B, N, C], what the reducer reads: received [B, N], keys averaged over heads
-#       [B, N, D] when need_keys (ToMe's similarity), or None)
-AttentionFn = Callable[..., tuple[Tensor, Tensor | None]]
+# attention(normed x [B, N, C], sizes [B, N] | None, reads: ScoreKind)
+#   -> (out [B, N, C], the scores the reducer reads: the attention received [B, N], the keys
+#       averaged over heads [B, N, D] (ToMe's similarity), or None when it reads none)
+AttentionFn = Callable[[Tensor, Tensor | None, ScoreKind], tuple[Tensor, Tensor | None]]
 
 
 class UnsupportedHostError(ValueError):
@@ -94,33 +94,32 @@ def pooled_block_forward(
     reduce_at: ReducePosition,
     grid: Grid | None = None,
     size_bias: bool = True,
-) -> tuple[Tensor, Tensor | None]:
-    """One host block with a reducer after its attention (or after its MLP, or at its input).
+) -> tuple[Tensor, Tensor | None, Grid | None]:
+    """The shared step: one host block, from its parts, with its reducer between the
+    attention and the MLP (``reduce_at="attn"``), after the MLP (``"mlp"``) or at its
+    input (``"input"``). The host's attention runs once and the reducer once.
 
-    ``x [B, N, C]``, ``sizes [B, N] | None`` -> ``(x [B, N', C], sizes [B, N'] | None)``;
-    ``grid``: the raster of the patch tokens, for a reducer that reads it (conv);
-    ``size_bias``: whether the attention adds ``log(size)`` to the logits of its keys.
+    ``x [B, N, C]``, ``sizes [B, N] | None`` -> ``(x [B, N', C], sizes [B, N'] | None,
+    grid)``; ``grid``: the raster of the patch tokens, for a reducer that reads it (conv),
+    and the one the reduction leaves; ``size_bias``: whether the attention adds
+    ``log(size)`` to the logits of its keys.
     """
+    # At its input no attention has run yet: a reducer there reads no scores (installing
+    # one that needs them is refused).
+    reads = scores_read(reducer) if reduce_at in ("attn", "mlp") else None
     if reducer is not None and reduce_at == "input":
-        x, sizes = reduce_tokens(reducer, x, sizes, None, num_prefix, grid=grid)
-        reducer = None
-    need_received = reducer is not None and bool(getattr(reducer, "needs_received", False))
-    need_keys = reducer is not None and bool(getattr(reducer, "needs_keys", False))
-    attn_sizes = sizes if size_bias else None
-    if need_keys:
-        attn_out, received = parts.attention(parts.norm1(x), attn_sizes, False, need_keys=True)
-    else:
-        attn_out, received = parts.attention(parts.norm1(x), attn_sizes, need_received)
+        x, sizes, grid = reduce_tokens(reducer, x, sizes, None, num_prefix, grid=grid)
+    attn_out, scores = parts.attention(parts.norm1(x), sizes if size_bias else None, reads)
     x = x + _chain(attn_out, parts.attn_post)
     # Freed before the MLP, as in the host's own block: its peak is the MLP's hidden layer.
     del attn_out
     if reducer is not None and reduce_at == "attn":
-        x, sizes = reduce_tokens(reducer, x, sizes, received, num_prefix, grid=grid)
+        x, sizes, grid = reduce_tokens(reducer, x, sizes, scores, num_prefix, grid=grid)
     x = x + _chain(parts.mlp(parts.norm2(x)), parts.mlp_post)
     if reducer is not None and reduce_at == "mlp":
         # Scores still come from this block's attention: the token set is unchanged.
-        x, sizes = reduce_tokens(reducer, x, sizes, received, num_prefix, grid=grid)
-    return x, sizes
+        x, sizes, grid = reduce_tokens(reducer, x, sizes, scores, num_prefix, grid=grid)
+    return x, sizes, grid
 
 
 def _no_extra_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -181,37 +180,31 @@ class _PooledForward:
         self.check_call = adapter.check_call
 
     def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        pooling = self.pooling
-        sizes, grid = pooling.receive(self.index)  # read once, even by a call refused below
+        pooling, index = self.pooling, self.index
+        sizes, grid = pooling.receive(index)  # read once, even by a call refused below
         self.check_call(args, kwargs)
         if x.shape[0] == 0:
             # An empty batch has nothing to pool (and a clustering no tokens to seed from):
             # the host's own block gives the empty output the unpatched model gives.
-            pooling.hand_on(self.index, None, None)
+            pooling.hand_on(index, None, None)
             return type(self.block).forward(self.block, x, *args, **kwargs)
-        reducer, reduce_at = pooling.reducer(self.index), pooling.reduce_at
-        entry_assign = None
+        reduce_at = pooling.reduce_at
         if reduce_at == "entry":
-            patches = x.shape[1] - pooling.num_prefix
-            if (
-                self.index == 0
-                and reducer is not None
-                and (count := pooling.entry_count(patches, grid)) < patches
-            ):
-                # The entry step: the embedded patches, before the first attention.
-                x, sizes = reduce_tokens(reducer, x, sizes, None, pooling.num_prefix, count=count, grid=grid)
-                grid = grid_after(reducer, grid, patches, x.shape[1] - pooling.num_prefix)
-                if getattr(reducer, "record", False):
-                    entry_assign = reducer.last_assign  # type: ignore[attr-defined]
+            # A step of its own before the first block; then every block reduces after its attention.
+            if index == 0:
+                x, sizes, grid = pooling.enter(x, sizes, grid)
             reduce_at = "attn"
-        before = x.shape[1]
-        x, sizes = pooled_block_forward(
-            self.parts, x, sizes, reducer, pooling.num_prefix, reduce_at, grid, pooling.size_bias
+        x, sizes, grid = pooled_block_forward(
+            self.parts,
+            x,
+            sizes,
+            pooling.reducer(index),
+            pooling.num_prefix,
+            reduce_at,
+            grid,
+            pooling.size_bias,
         )
-        if entry_assign is not None:
-            # The first block's reducer ran twice; its record maps each patch through both.
-            reducer.last_assign = compose_assignments(entry_assign, reducer.last_assign)  # type: ignore[union-attr]
-        pooling.hand_on(self.index, sizes, grid_after(reducer, grid, before, x.shape[1]))
+        pooling.hand_on(index, sizes, grid)
         return x
 
 
