@@ -264,3 +264,24 @@ def test_visualize_enact_draws_a_detectors_boxes_and_regions(tmp_path: Path, cap
         assert main(["visualize", "enact", *extra, "--data-root", str(tmp_path), "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("enact", [False, True])
+def test_the_explicit_attention_matrix_changes_memory_not_results(enact: bool) -> None:
+    """``attention_matrix="explicit"`` (ENACT's memory baseline) holds every attention's
+    probabilities as tensors, the host's and ENACT's alike, and predicts the same."""
+    from leanformer.layers.enact_attention import DenseSelfAttention
+
+    images = torch.randn(2, 1, 64, 64, generator=torch.Generator().manual_seed(3))
+    outputs = {}
+    for matrix in ("fused", "explicit"):
+        torch.manual_seed(0)
+        model = leanformer.create_model("detr_fashion_test", enact=enact, attention_matrix=matrix).eval()
+        assert model.detector.config._attn_implementation == ("eager" if matrix == "explicit" else "sdpa")
+        ours = [m for m in model.modules() if isinstance(m, DenseSelfAttention)]
+        assert len(ours) == (1 if enact else 0) and all(m.matrix == matrix for m in ours)
+        with torch.no_grad():
+            outputs[matrix] = model.detector(pixel_values=images).logits
+    torch.testing.assert_close(outputs["explicit"], outputs["fused"], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="attention_matrix must be one of fused, explicit"):
+        leanformer.create_model("detr_fashion_test", attention_matrix="eager")

@@ -216,3 +216,23 @@ def test_an_empty_batch_gives_an_empty_output():
     assert out.shape == (0, 20, D)
     out.sum().backward()
     assert x.grad is not None and x.grad.shape == x.shape
+
+
+@pytest.mark.parametrize("cls", [DenseSelfAttention, EntropyClusteredAttention])
+def test_the_explicit_matrix_gives_the_fused_result_and_gradients(cls):
+    """``matrix="explicit"`` (the memory baseline) is the same attention as the fused kernel,
+    padded positions and ENACT's masked cluster slots included."""
+    x, pos, mask, shape = padded_inputs()
+    outputs = []
+    for matrix in ("fused", "explicit"):
+        module = make(cls, matrix=matrix)
+        xg = x.clone().requires_grad_(True)
+        out = module(xg, pos, shape, mask)
+        out.square().sum().backward()
+        outputs.append((out, xg.grad))
+    (fused, fused_grad), (explicit, explicit_grad) = outputs
+    assert torch.isfinite(explicit).all()
+    torch.testing.assert_close(explicit, fused)
+    torch.testing.assert_close(explicit_grad, fused_grad)
+    with pytest.raises(ValueError, match="matrix must be one of fused, explicit"):
+        cls(D, HEADS, matrix="eager")

@@ -30,6 +30,8 @@ from leanformer.ops.region_cluster import region_cluster
 from leanformer.ops.regions import RegionPlan, plan_from_starts, region_starts, singleton_plan
 
 REGION_MODES = ("curvature", "single")
+# How the attention probabilities are held: inside the fused kernel, or as a tensor.
+ATTENTION_MATRICES = ("fused", "explicit")
 
 
 def _is_side(side: Any) -> bool:
@@ -75,19 +77,35 @@ def check_inputs(
 
 
 class DenseSelfAttention(nn.Module):
-    """Plain multi-head self-attention of a DETR encoder layer (fused SDPA).
+    """Plain multi-head self-attention of a DETR encoder layer.
 
     ``forward(x [B, N, C], pos [B, N, C] | None, spatial_shape, key_padding_mask [B, N] | None)``
     returns ``[B, N, C]``.
+
+    ``matrix="fused"`` (default) runs the fused SDPA kernel; ``"explicit"`` forms the
+    ``[B, h, N, L]`` probabilities as tensors of their own, as DETR's public code and the
+    ENACT paper's memory baseline do, so a training step keeps them for the backward
+    (what the paper's memory saving is measured against). The two give the same result.
     """
 
-    def __init__(self, d_model: int, num_heads: int, *, dropout: float = 0.0, bias: bool = True) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        dropout: float = 0.0,
+        bias: bool = True,
+        matrix: str = "fused",
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim(d_model, num_heads, dim_name="d_model")
         check_rates(dropout=dropout)
+        if matrix not in ATTENTION_MATRICES:
+            raise ValueError(f"matrix must be one of {', '.join(ATTENTION_MATRICES)}, got {matrix!r}")
         self.d_model = d_model
         self.num_heads = num_heads
         self.dropout = dropout
+        self.matrix = matrix
         self._init_projections(d_model, bias)
 
     def _init_projections(self, d_model: int, bias: bool) -> None:
@@ -122,8 +140,14 @@ class DenseSelfAttention(nn.Module):
         """``q [B, h, N, d]`` over ``k, v [B, h, L, d]``, ``key_mask [B, L]`` (True = attend) -> out."""
         mask = key_mask[:, None, None, :] if key_mask is not None else None
         drop = self.dropout if self.training else 0.0
-        # scaled by 1/sqrt(d_head) before the softmax, inside the fused kernel
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
+        if self.matrix == "explicit":
+            scores = (q * self.head_dim**-0.5) @ k.transpose(-2, -1)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            out = F.dropout(scores.softmax(dim=-1), p=drop) @ v
+        else:
+            # scaled by 1/sqrt(d_head) before the softmax, inside the fused kernel
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=drop)
         B, _, N, _ = out.shape
         return self._out(out.transpose(1, 2).reshape(B, N, self.d_model))
 
@@ -151,8 +175,8 @@ class EntropyClusteredAttention(DenseSelfAttention):
     (``sigma``-smoothed) row curvature sign splits the map into row-major runs
     (:mod:`leanformer.ops.regions`). Keys and values become entropy-softmax-weighted means
     of their region (:func:`region_cluster`); every query of map ``b`` (queries are never
-    clustered) attends to the clusters of map ``b`` only, through fused SDPA with the
-    clusters padded to the largest count and masked.
+    clustered) attends to the clusters of map ``b`` only, through fused SDPA (or the
+    explicit matrix: ``matrix=``) with the clusters padded to the largest count and masked.
 
     ``regions="single"`` makes every valid position its own region: the clustering is then
     the identity and the module computes dense attention through the whole ENACT path
@@ -183,10 +207,11 @@ class EntropyClusteredAttention(DenseSelfAttention):
         bias: bool = True,
         cluster_inputs: bool = True,
         regions: str = "curvature",
+        matrix: str = "fused",
     ) -> None:
         if regions not in REGION_MODES:
             raise ValueError(f"regions must be one of {', '.join(REGION_MODES)}, got {regions!r}")
-        super().__init__(d_model, num_heads, dropout=dropout, bias=bias)
+        super().__init__(d_model, num_heads, dropout=dropout, bias=bias, matrix=matrix)
         self.sigma = check_sigma(sigma)
         self.regions = regions
         if not isinstance(cluster_inputs, bool):

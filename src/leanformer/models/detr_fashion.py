@@ -11,6 +11,9 @@ DETR freezes its backbone's batch norms because it starts from ImageNet weights;
 backbone is trained from scratch, so they are ordinary (trainable) batch norms again.
 ``enact=True`` (``detr_fashion_enact``) puts ENACT in every encoder layer
 (:func:`leanformer.patch.transformers.apply_enact`); the host's weights keep their names.
+``attention_matrix="explicit"`` holds every attention's probabilities as tensors (the
+host's ``eager`` attention, and ENACT's explicit matrix) instead of fused kernels: the
+baseline of ENACT's training-memory claim.
 
 ``forward(images [B, C, H, W], targets=None)`` returns the host's output; given targets
 (dicts of ``boxes [K, 4]`` x0, y0, x1, y1 in pixels and ``labels [K]``, as ``fashion_detect``
@@ -26,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.layers.checks import check_positive, check_positive_number, check_rates, head_dim
+from leanformer.layers.enact_attention import ATTENTION_MATRICES
 from leanformer.models.registry import register
 
 _TRANSFORMERS_HINT = "detr_fashion needs Hugging Face transformers: pip install 'leanformer[transformers]'"
@@ -54,6 +58,7 @@ class DetrFashion(nn.Module):
         max_detections: int = 100,
         enact: bool = False,
         sigma: float = 3.0,
+        attention_matrix: str = "fused",
     ) -> None:
         super().__init__()
         check_positive(
@@ -103,6 +108,13 @@ class DetrFashion(nn.Module):
             dropout=dropout,
             auxiliary_loss=True,
         )
+        if attention_matrix not in ATTENTION_MATRICES:
+            raise ValueError(
+                f"attention_matrix must be one of {', '.join(ATTENTION_MATRICES)}, got {attention_matrix!r}"
+            )
+        # Every attention of the host, and ENACT's (apply_enact follows the host): "explicit"
+        # holds the probabilities as tensors, DETR's own code and ENACT's memory baseline.
+        config._attn_implementation = "eager" if attention_matrix == "explicit" else "sdpa"
         self.detector: Any = ConditionalDetrForObjectDetection(config)
         _thaw_batch_norms(self.detector.model.backbone)
         if enact:

@@ -74,6 +74,7 @@ class DetrEnactAttention(EntropyClusteredAttention):
         sigma: float = 3.0,
         cluster_inputs: bool = True,
         regions: str = "curvature",
+        matrix: str = "fused",
     ) -> None:
         d_model = host.q_proj.in_features
         super().__init__(
@@ -84,6 +85,7 @@ class DetrEnactAttention(EntropyClusteredAttention):
             bias=host.q_proj.bias is not None,
             cluster_inputs=cluster_inputs,
             regions=regions,
+            matrix=matrix,
         )
         # The host's modules, shared: training them trains the host, and its checkpoint keys hold.
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
@@ -201,10 +203,14 @@ def apply_enact(
     sigma: float = 3.0,
     cluster_inputs: bool = True,
     regions: str = "curvature",
+    matrix: str | None = None,
 ) -> nn.Module:
     """Make every encoder self-attention of a Hugging Face DETR use ENACT; returns ``model``.
 
     ``sigma``: Gaussian smoothing of the entropy map before its curvature sign (0 = none).
+    ``matrix``: ``"fused"`` or ``"explicit"`` attention probabilities (see
+    :class:`~leanformer.layers.enact_attention.DenseSelfAttention`); by default as the host
+    holds them (``attn_implementation="eager"`` is explicit, anything else fused).
     ``regions="single"`` makes every position its own region, which reproduces the dense
     encoder exactly (a check of the wrapping). New parameters (``entropy_proj`` per layer)
     are created on the model's device and dtype: build the optimiser after this call.
@@ -215,9 +221,17 @@ def apply_enact(
     layers = list(core.encoder.layers)
     heads = [_check_layer(i, layer, layer_cls, attn_cls) for i, layer in enumerate(layers)]
     # Build every wrapper before changing anything, so a bad option leaves the model as it was.
+    if matrix is None:
+        host_matrix = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        matrix = "explicit" if host_matrix == "eager" else "fused"
     wrappers = [
         DetrEnactAttention(
-            layer.self_attn, num_heads=h, sigma=sigma, cluster_inputs=cluster_inputs, regions=regions
+            layer.self_attn,
+            num_heads=h,
+            sigma=sigma,
+            cluster_inputs=cluster_inputs,
+            regions=regions,
+            matrix=matrix,
         )
         for layer, h in zip(layers, heads, strict=True)
     ]
