@@ -115,6 +115,10 @@ class DetrFashion(nn.Module):
         # Every attention of the host, and ENACT's (apply_enact follows the host): "explicit"
         # holds the probabilities as tensors, DETR's own code and ENACT's memory baseline.
         config._attn_implementation = "eager" if attention_matrix == "explicit" else "sdpa"
+        # The ResNet backbone has no attention: left at sdpa, transformers does not warn that
+        # timm ignores "eager".
+        backbone_config: Any = config.backbone_config  # built from the dict above
+        backbone_config._attn_implementation = "sdpa"
         self.detector: Any = ConditionalDetrForObjectDetection(config)
         _thaw_batch_norms(self.detector.model.backbone)
         if enact:
