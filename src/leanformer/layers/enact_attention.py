@@ -34,6 +34,13 @@ REGION_MODES = ("curvature", "single")
 ATTENTION_MATRICES = ("fused", "explicit")
 
 
+def check_attention_matrix(value: str, *, name: str = "matrix") -> str:
+    """``value`` when it is one of :data:`ATTENTION_MATRICES`, else a ValueError naming ``name``."""
+    if value not in ATTENTION_MATRICES:
+        raise ValueError(f"{name} must be one of {', '.join(ATTENTION_MATRICES)}, got {value!r}")
+    return value
+
+
 def _is_side(side: Any) -> bool:
     """An integer >= 1: a Python or NumPy integer, an integer 0-d tensor, or a SymInt (the
     side of a feature map traced with dynamic shapes); not a bool or a float."""
@@ -100,12 +107,10 @@ class DenseSelfAttention(nn.Module):
         super().__init__()
         self.head_dim = head_dim(d_model, num_heads, dim_name="d_model")
         check_rates(dropout=dropout)
-        if matrix not in ATTENTION_MATRICES:
-            raise ValueError(f"matrix must be one of {', '.join(ATTENTION_MATRICES)}, got {matrix!r}")
         self.d_model = d_model
         self.num_heads = num_heads
         self.dropout = dropout
-        self.matrix = matrix
+        self.matrix = check_attention_matrix(matrix)
         self._init_projections(d_model, bias)
 
     def _init_projections(self, d_model: int, bias: bool) -> None:

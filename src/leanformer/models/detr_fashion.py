@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from leanformer.layers.checks import check_positive, check_positive_number, check_rates, head_dim
-from leanformer.layers.enact_attention import ATTENTION_MATRICES
+from leanformer.layers.enact_attention import check_attention_matrix
 from leanformer.models.registry import register
 
 _TRANSFORMERS_HINT = "detr_fashion needs Hugging Face transformers: pip install 'leanformer[transformers]'"
@@ -108,10 +108,7 @@ class DetrFashion(nn.Module):
             dropout=dropout,
             auxiliary_loss=True,
         )
-        if attention_matrix not in ATTENTION_MATRICES:
-            raise ValueError(
-                f"attention_matrix must be one of {', '.join(ATTENTION_MATRICES)}, got {attention_matrix!r}"
-            )
+        check_attention_matrix(attention_matrix, name="attention_matrix")
         # Every attention of the host, and ENACT's (apply_enact follows the host): "explicit"
         # holds the probabilities as tensors, DETR's own code and ENACT's memory baseline.
         config._attn_implementation = "eager" if attention_matrix == "explicit" else "sdpa"
