@@ -458,7 +458,7 @@ def test_options_that_take_effect_are_still_accepted(
 def test_a_teacher_named_without_shipped_weights_is_refused(tmp_path: Path, capsys: Capture) -> None:
     # A frozen teacher built by name had random weights: it distilled noise, silently.
     err = _error([*TRAIN, "--teacher", "deit_test", "--out", str(tmp_path / "kd")], capsys)
-    assert "teacher deit_test: a teacher given by name needs shipped weights (deit_fashion)" in err
+    assert "teacher deit_test: a model given by name needs shipped weights (deit_fashion)" in err
     assert not (tmp_path / "kd").exists()
 
 
@@ -479,7 +479,7 @@ def test_tradeoff_name_cannot_leave_the_runs_folder(
     [
         (
             [*TRAIN, "--pretrained"],
-            "train starts from freshly initialised weights and does not take --pretrained",
+            "train does not take --pretrained: to start from the shipped weights, give --init-from NAME",
         ),
         (
             ["eval", "--timm-model", "deit_tiny_patch16_224", "--pretrained"],

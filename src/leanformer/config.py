@@ -182,6 +182,11 @@ class TrainConfig:
     teacher: str | None = flag(
         None, "--teacher", "distillation teacher: a checkpoint or run folder, or a model with shipped weights"
     )
+    init_from: str | None = flag(
+        None,
+        "--init-from",
+        "start from these weights (a checkpoint or run folder, or a model with shipped weights): fine-tuning",
+    )
     distill_weight: float = flag(0.5, "--distill-weight", "soft-label loss weight (1 = soft only)")
     distill_tau: float = flag(1.0, "--distill-tau", "distillation temperature")
     checkpoint: bool = True  # write last.safetensors after every epoch

@@ -115,9 +115,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         )
     if args.pretrained:
         raise ValueError(
-            "train starts from freshly initialised weights and does not take --pretrained; to "
-            "fine-tune the shipped weights with token pooling, run `leanformer tradeoff` with "
-            "pretrained: true and finetune_epochs"
+            "train does not take --pretrained: to start from the shipped weights, give "
+            "--init-from NAME (or a checkpoint or run folder); to fine-tune them with token "
+            "pooling at several budgets, run `leanformer tradeoff` with pretrained: true and finetune_epochs"
         )
     if args.out is not None and not args.out.strip():
         raise ValueError("--out is empty; give the run folder (or leave --out out for runs/<model>)")

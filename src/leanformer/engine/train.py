@@ -190,33 +190,58 @@ def drop_ineffective_options(cfg: RunConfig, given: Collection[str] = ()) -> tup
     return replace(cfg, train=replace(t, **reset)), messages
 
 
-def _build_teacher(cfg: RunConfig, info: Any, device: torch.device) -> nn.Module | None:
-    if cfg.train.teacher is None:
-        return None
-    source = cfg.train.teacher
-    teacher: nn.Module | None = None
+def _trained_model(source: str, role: str, info: Any, device: torch.device) -> nn.Module:
+    """The trained model ``source`` names: a checkpoint file, a run folder, or a registered
+    model with shipped weights (random weights would be worth nothing as a ``role``)."""
+    model: nn.Module | None = None
     if Path(source).exists():  # a checkpoint file or a run folder
-        teacher = load_model(source, device=device)
+        model = load_model(source, device=device)
     elif "/" in source or Path(source).suffix:  # registered names have neither
-        raise ValueError(f"teacher {source}: no such checkpoint file or run folder")
+        raise ValueError(f"{role} {source}: no such checkpoint file or run folder")
     else:
         model_info(source)  # an unknown name is refused as such, not as a misfit
-        # A teacher is frozen: one by name is only worth its shipped weights (random
-        # ones would distil noise).
         if source not in shipped_models():
             raise ValueError(
-                f"teacher {source}: a teacher given by name needs shipped weights "
+                f"{role} {source}: a model given by name needs shipped weights "
                 f"({', '.join(shipped_models()) or 'none ship'}); give a trained checkpoint or run folder"
             )
     try:
         # Its inputs (one image or a pair), channels and classes: otherwise the first
         # batch fails with an error about the student's inputs or a bare TypeError.
-        if teacher is None:
-            teacher, _ = build_model(source, {}, info, pretrained=True)
-        check_model_fits(teacher, info)
+        if model is None:
+            model, _ = build_model(source, {}, info, pretrained=True)
+        check_model_fits(model, info)
     except ValueError as err:
-        raise ValueError(f"teacher {source} does not fit the data: {err}") from None
-    return teacher.to(device).eval().requires_grad_(False)
+        raise ValueError(f"{role} {source} does not fit the data: {err}") from None
+    return model.to(device)
+
+
+def _build_teacher(cfg: RunConfig, info: Any, device: torch.device) -> nn.Module | None:
+    if cfg.train.teacher is None:
+        return None
+    return _trained_model(cfg.train.teacher, "teacher", info, device).eval().requires_grad_(False)
+
+
+def _initialise_from(model: nn.Module, cfg: RunConfig, info: Any, device: torch.device) -> None:
+    """Load ``train.init_from``'s weights into ``model`` (fine-tuning): the same architecture,
+    every tensor of the same shape, or a ValueError naming what differs."""
+    source = cfg.train.init_from
+    if source is None:
+        return
+    weights = _trained_model(source, "init_from", info, device).state_dict()
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    misfit = sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape)
+    if missing or unexpected or misfit:
+        words = [
+            f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+            for label, keys in (("missing", missing), ("unexpected", unexpected), ("other shapes", misfit))
+            if keys
+        ]
+        raise ValueError(
+            f"init_from {source}: its weights do not fit {cfg.model} with these options ({'; '.join(words)})"
+        )
+    model.load_state_dict(weights)
 
 
 class _LossFn:
@@ -431,6 +456,7 @@ def _fit(
         torch.manual_seed(cfg.seed)  # identical initial weights on every process
         model, model_options = build_model(cfg.model, cfg.model_options, info)
         model.to(device)
+        _initialise_from(model, cfg, info, device)
         loader = train_loader(
             train_set,
             batch_size=cfg.data.batch_size,

@@ -49,7 +49,8 @@ class DeiT(VisionTransformer):
     """Vision transformer with class (+ optional distillation) token.
 
     ``pool``/``keep``/``carry`` apply token pooling (see
-    :mod:`leanformer.pooling.registry`); ``pool="none"`` is the plain model. Any
+    :mod:`leanformer.pooling.registry`); ``pool="none"`` is the plain model. ``unpool``:
+    ``forward_features`` gives every token position back (:func:`leanformer.apply_token_pooling`). Any
     input size works (``dynamic_img_size``: position embeddings are resampled).
     """
 
@@ -82,6 +83,7 @@ class DeiT(VisionTransformer):
         carry: bool = False,
         reduce_at: ReducePosition | None = None,
         pool_options: dict[str, Any] | None = None,
+        unpool: bool = False,
     ) -> None:
         check_positive(patch_size=patch_size, in_chans=in_chans, embed_dim=embed_dim, num_heads=num_heads)
         check_positive(minimum=0, depth=depth)
@@ -92,8 +94,10 @@ class DeiT(VisionTransformer):
         classifier(embed_dim, num_classes)  # validates num_classes before timm builds anything
         if pool_options is not None and not isinstance(pool_options, dict):
             raise ValueError(f"pool_options must be a mapping of option names, got {pool_options!r}")
-        if pool == "none" and (keep is not None or carry):
-            raise ValueError("keep= and carry= need a pooling method: pass pool=... (e.g. pool='wkmedoids')")
+        if pool == "none" and (keep is not None or carry or unpool):
+            raise ValueError(
+                "keep=, carry= and unpool= need a pooling method: pass pool=... (e.g. pool='wkmedoids')"
+            )
         size = to_2tuple(img_size)
         if min(size) < patch_size:
             raise ValueError(f"img_size {size} is smaller than one patch ({patch_size})")
@@ -131,7 +135,13 @@ class DeiT(VisionTransformer):
         self.patch_embed.register_forward_pre_hook(_check_image_sides)
         if pool != "none":
             install(
-                adapt(self), keep=keep, method=pool, carry=carry, reduce_at=reduce_at, **(pool_options or {})
+                adapt(self),
+                keep=keep,
+                method=pool,
+                carry=carry,
+                reduce_at=reduce_at,
+                unpool=unpool,
+                **(pool_options or {}),
             )
 
     def reset_classifier(self, num_classes: int, global_pool: str | None = None) -> None:

@@ -183,11 +183,14 @@ class _PooledForward:
         pooling, index = self.pooling, self.index
         sizes, grid = pooling.receive(index)  # read once, even by a call refused below
         self.check_call(args, kwargs)
-        if x.shape[0] == 0:
-            # An empty batch has nothing to pool (and a clustering no tokens to seed from):
-            # the host's own block gives the empty output the unpatched model gives.
+        if x.shape[0] == 0 or len(pooling.reducers) == 0:
+            # An empty batch has nothing to pool (and a clustering no tokens to seed from),
+            # and a budget that keeps every token places no reducer: the host's own block
+            # gives exactly the output the unpatched model gives.
             pooling.hand_on(index, None, None)
-            return type(self.block).forward(self.block, x, *args, **kwargs)
+            x = type(self.block).forward(self.block, x, *args, **kwargs)
+            last = index == pooling.depth - 1 and isinstance(x, Tensor)
+            return pooling.leave(x, reduced=False) if last else x
         reduce_at = pooling.reduce_at
         if reduce_at == "entry":
             # A step of its own before the first block; then every block reduces after its attention.
@@ -205,7 +208,7 @@ class _PooledForward:
             pooling.size_bias,
         )
         pooling.hand_on(index, sizes, grid)
-        return x
+        return pooling.leave(x) if index == pooling.depth - 1 else x
 
 
 def single_conv(module: object) -> nn.Module | None:
@@ -421,10 +424,14 @@ def install(
     method: str,
     carry: bool,
     reduce_at: ReducePosition | None,
+    unpool: bool = False,
     **options: Any,
 ) -> nn.Module:
     """Build ``method``'s reducers for ``host`` under ``keep`` and patch it (``reduce_at``
-    None: the method's own place, else between attention and MLP)."""
+    None: the method's own place, else between attention and MLP; ``unpool``:
+    :attr:`TokenPooling.unpool_output`)."""
+    if not isinstance(unpool, bool):  # "no" would be truthy
+        raise ValueError(f"unpool must be True or False, got {unpool!r}")
     reduce_at = method_reduce_at(method, reduce_at)
     spec = pooling_method(method)
     # Parsed here, once: the reducers and model.token_pooling.keep get the same schedule.
@@ -457,11 +464,12 @@ def install(
         options=options,
         size_bias=carry or not spec.sizes_always,
     )
+    pooling: TokenPooling = model.token_pooling  # type: ignore[assignment]
     if gflops:
-        pooling: TokenPooling = model.token_pooling  # type: ignore[assignment]
         try:
             pooling.set_budget(keep)  # type: ignore[arg-type]
         except ValueError:
             unpatch_host(host)
             raise
+    pooling.unpool_output = unpool
     return model

@@ -62,6 +62,7 @@ def apply_token_pooling(
     carry: bool = True,
     reduce_at: ReducePosition | None = None,
     r: int | list[int] | tuple[int, float] | None = None,
+    unpool: bool = False,
     **options: Any,
 ) -> nn.Module:
     """Insert a token reduction into a timm or Hugging Face vision transformer, in place.
@@ -82,13 +83,19 @@ def apply_token_pooling(
     more step before the first attention when the budget is tight, sized by
     :func:`leanformer.pooling.reducer.entry_count`); ``inputmerge`` always
     reduces at ``"input"`` and ``entrymerge`` at ``"entry"``. Prefix tokens (class,
-    distillation, registers) are never pooled. Returns the model.
+    distillation, registers) are never pooled. ``unpool``: the last block hands the host
+    every token position again (``forward_features`` / ``last_hidden_state`` of shape
+    ``[B, P + N, C]`` as unpatched), each showing the output of the token it was merged or
+    clustered into, for dense heads (:meth:`TokenPooling.unpool`); switch it at run time
+    with ``model.token_pooling.unpool_output``. Returns the model.
     """
     if r is not None:
         if keep is not None:
             raise ValueError("give keep= or ToMe's r=, not both")
         keep = parse_r(r)
-    return install(adapt(model), keep=keep, method=method, carry=carry, reduce_at=reduce_at, **options)
+    return install(
+        adapt(model), keep=keep, method=method, carry=carry, reduce_at=reduce_at, unpool=unpool, **options
+    )
 
 
 def apply_reducers(

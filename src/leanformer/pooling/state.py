@@ -89,6 +89,7 @@ class TokenPooling(nn.Module):
         self._keep = keep
         self._schedule = schedule if schedule is not None else keep
         self._trace_source = False
+        self._unpool_output = False
         # The model this pools and one input image's shape, set by the patch: a GFLOPs
         # budget is solved by counting the model's forward. A plain attribute, not a
         # submodule (the model holds this module), so a deep copy maps it to the copy.
@@ -102,6 +103,9 @@ class TokenPooling(nn.Module):
         # "entry": where the entry step sent each patch, while its record waits for the
         # first block's own (reduce_at="entry" with trace_source).
         self._carried: dict[str, Tensor | None] = {"sizes": None, "handed": None, "entry": None}
+        # Tokens (prefix included) the latest forward's last block left, for unpool's check
+        # of the tensor it is given: a shape, never a value read back.
+        self._counts: dict[str, int | None] = {"left": None}
         # The patch grid of the latest embedded image (rows, cols), recorded where the host
         # embeds it and read by the first block; then the grid one block hands to the
         # next, for reducers that read it (conv). Dict entries, as for the sizes.
@@ -118,12 +122,14 @@ class TokenPooling(nn.Module):
         for name, default in (
             ("size_bias", True),
             ("_trace_source", False),
+            ("_unpool_output", False),
             ("_owner", None),
             ("example_shape", None),
             ("_schedule", self.__dict__.get("_keep")),
         ):
             self.__dict__.setdefault(name, default)
         self.__dict__.setdefault("_grids", {"embedded": None, "handed": None})
+        self.__dict__.setdefault("_counts", {"left": None})
         self._carried.setdefault("handed", None)
         self._carried.setdefault("entry", None)
         self.overrides = [o if len(o) == 3 else (o[0], o[1], None) for o in self.overrides]
@@ -216,6 +222,17 @@ class TokenPooling(nn.Module):
         if index + 1 < self.depth:
             self._carried["handed"], self._grids["handed"] = sizes, grid
 
+    def leave(self, x: Tensor, *, reduced: bool = True) -> Tensor:
+        """What the last block hands the host: ``x [B, M, C]`` as it is, or with
+        :attr:`unpool_output` back on every token position (:meth:`unpool`; sizes all ones
+        then, so a final pool counts each position once). ``reduced=False``: the forward ran
+        no reducer (an empty batch), so ``x`` is already on every position."""
+        self._counts["left"] = x.shape[1]
+        if not (self._unpool_output and reduced):
+            return x
+        self.sizes = None
+        return self.unpool(x)
+
     @property
     def keep(self) -> KeepSchedule | None:
         """The budget asked for (None: installed by hand or ``conv`` by layers)."""
@@ -273,9 +290,14 @@ class TokenPooling(nn.Module):
         )
         fresh = self._as_module_dict(reducers).to(self.get_buffer("_device_anchor").device)
         fresh.train(self.training)
-        for reducer in fresh.values():
-            setattr(reducer, "record", self._trace_source)  # noqa: B010 (an nn.Module attribute mypy cannot type)
+        self._set_recording(fresh)
         return fresh
+
+    def _set_recording(self, reducers: nn.ModuleDict) -> None:
+        """Make ``reducers`` record their assignments when :attr:`trace_source` or
+        :attr:`unpool_output` asks."""
+        for reducer in reducers.values():
+            setattr(reducer, "record", self._trace_source or self._unpool_output)  # noqa: B010 (an nn.Module attribute mypy cannot type)
 
     def attach(self, owner: nn.Module, example_shape: tuple[int, int, int] | None) -> None:
         """Record the model this pools and one input image's ``(channels, rows, cols)``."""
@@ -328,8 +350,77 @@ class TokenPooling(nn.Module):
         if not isinstance(value, bool):
             raise ValueError(f"trace_source must be True or False, got {value!r}")
         self._trace_source = value
-        for reducer in self.reducers.values():
-            setattr(reducer, "record", value)  # noqa: B010 (an nn.Module attribute mypy cannot type)
+        self._set_recording(self.reducers)
+
+    @property
+    def unpool_output(self) -> bool:
+        """Whether the last block hands on every original token position (``[B, P + N, C]``,
+        prefix first, as the unpatched host), each showing the output of the token it went
+        into (:meth:`unpool`): ``unpool=True`` of :func:`leanformer.apply_token_pooling`."""
+        return self._unpool_output
+
+    @unpool_output.setter
+    def unpool_output(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"unpool must be True or False, got {value!r}")
+        self._unpool_output = value
+        self._set_recording(self.reducers)
+
+    def assignment(self, *, fill: bool) -> Tensor | None:
+        """Where every token of the latest forward's first block (prefix included, in the
+        model's order) went: ``[B, P + N]``, the index of the token it ended in after the
+        last block. Dropped tokens are -1, or with ``fill`` the token that the block which
+        dropped them kept nearest (-1 still where a block dropped every patch token). None
+        when no block reduced."""
+        assign: Tensor | None = None
+        for i in range(self.depth):
+            reducer = self.reducer(i)
+            step = None if reducer is None else getattr(reducer, "last_assign", None)
+            if step is None:
+                continue
+            filled = getattr(reducer, "last_filled", None) if fill else None
+            if filled is not None:
+                step = filled
+            if not sees_prefix(reducer):
+                prefix = torch.arange(self.num_prefix, device=step.device).expand(step.shape[0], -1)
+                step = torch.cat([prefix, torch.where(step >= 0, step + self.num_prefix, step)], dim=1)
+            assign = step if assign is None else compose_assignments(assign, step)
+        return assign
+
+    def unpool(self, x: Tensor) -> Tensor:
+        """``x [B, M, C]``, what the latest forward's last block left (prefix first), back on
+        every token position the first block received: ``[B, P + N, C]``, each position
+        showing the token it went into; a dropped token shows the token its block kept
+        nearest to it, and where a block dropped every patch token, the first prefix (class)
+        token. Identity when no block reduced. Needs :attr:`trace_source` or
+        :attr:`unpool_output` on during that forward, and any per-token map of those tokens
+        (a final norm, a user's head) may run before or after."""
+        if not (self._trace_source or self._unpool_output):
+            raise ValueError(
+                "unpool needs the assignments of the forward that made these tokens: set "
+                "model.token_pooling.trace_source = True (or unpool_output = True) before it"
+            )
+        left = self._counts["left"]
+        if x.dim() != 3 or left is None or x.shape[1] != left:
+            raise ValueError(
+                f"unpool takes the tokens the latest forward's last block left, [B, {left}, C]; "
+                f"got {tuple(x.shape)}"
+            )
+        assign = self.assignment(fill=True)
+        if assign is None:
+            return x
+        if assign.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"unpool got a batch of {x.shape[0]}; the latest forward's was {assign.shape[0]}"
+            )
+        if self.num_prefix == 0 and x.shape[1] == 0:
+            raise ValueError("the budget left no token at all, so there is nothing to unpool from")
+        # Positions no kept token stands for (a block dropped them all) show the class token.
+        # Rows of the flattened batch: index_select copies whole rows, where a gather would
+        # read an index for every element.
+        B, M, C = x.shape
+        rows = assign.clamp(min=0) + torch.arange(B, device=x.device)[:, None] * M
+        return x.reshape(B * M, C).index_select(0, rows.flatten()).view(B, -1, C)
 
     @property
     def source(self) -> Tensor | None:
@@ -340,16 +431,7 @@ class TokenPooling(nn.Module):
             raise ValueError(
                 "set model.token_pooling.trace_source = True before the forward to trace sources"
             )
-        assign: Tensor | None = None
-        for i in range(self.depth):
-            reducer = self.reducer(i)
-            step = None if reducer is None else getattr(reducer, "last_assign", None)
-            if step is None:
-                continue
-            if not sees_prefix(reducer):
-                prefix = torch.arange(self.num_prefix, device=step.device).expand(step.shape[0], -1)
-                step = torch.cat([prefix, torch.where(step >= 0, step + self.num_prefix, step)], dim=1)
-            assign = step if assign is None else compose_assignments(assign, step)
+        assign = self.assignment(fill=False)
         if assign is None:
             return None
         outputs = int(assign.max()) + 1
