@@ -40,7 +40,7 @@ from leanformer.pooling.reducer import (
     takes_a_count,
 )
 from leanformer.pooling.registry import build_reducers, method_reduce_at, pooling_method
-from leanformer.pooling.state import ReducePosition, TokenPooling
+from leanformer.pooling.state import ReducePosition, TokenPooling, yes_or_no
 
 Override = tuple[nn.Module, str, Any]  # set on the instance; what it replaced is put back to undo
 
@@ -430,8 +430,7 @@ def install(
     """Build ``method``'s reducers for ``host`` under ``keep`` and patch it (``reduce_at``
     None: the method's own place, else between attention and MLP; ``unpool``:
     :attr:`TokenPooling.unpool_output`)."""
-    if not isinstance(unpool, bool):  # "no" would be truthy
-        raise ValueError(f"unpool must be True or False, got {unpool!r}")
+    yes_or_no("unpool", unpool)
     reduce_at = method_reduce_at(method, reduce_at)
     spec = pooling_method(method)
     # Parsed here, once: the reducers and model.token_pooling.keep get the same schedule.

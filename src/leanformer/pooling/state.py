@@ -70,8 +70,7 @@ class TokenPooling(nn.Module):
         schedule: KeepSchedule | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(carry, bool):  # "no" would be truthy: sizes tracked after all
-            raise ValueError(f"carry must be True or False, got {carry!r}")
+        yes_or_no("carry", carry)  # "no" would be truthy: sizes tracked after all
         if reduce_at not in REDUCE_POSITIONS:
             raise ValueError(f"reduce_at must be one of {', '.join(REDUCE_POSITIONS)}, got {reduce_at!r}")
         self.depth = len(reducers)
@@ -347,9 +346,7 @@ class TokenPooling(nn.Module):
 
     @trace_source.setter
     def trace_source(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise ValueError(f"trace_source must be True or False, got {value!r}")
-        self._trace_source = value
+        self._trace_source = yes_or_no("trace_source", value)
         self._set_recording(self.reducers)
 
     @property
@@ -361,9 +358,7 @@ class TokenPooling(nn.Module):
 
     @unpool_output.setter
     def unpool_output(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise ValueError(f"unpool must be True or False, got {value!r}")
-        self._unpool_output = value
+        self._unpool_output = yes_or_no("unpool", value)
         self._set_recording(self.reducers)
 
     def assignment(self, *, fill: bool) -> Tensor | None:
@@ -450,6 +445,14 @@ class TokenPooling(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+
+
+def yes_or_no(name: str, value: object) -> bool:
+    """``value`` if it is a bool; a ValueError naming ``name`` otherwise (a string such as
+    "no" would be truthy)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def resolve_gflops_budget(model: nn.Module) -> None:
