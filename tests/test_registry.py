@@ -106,6 +106,9 @@ def _contract(name: str, batch: int, max_img_size: int | None = None) -> None:
     if getattr(model, "task", "classification") == "detection":
         _detection_contract(name, model, batch)
         return
+    if getattr(model, "task", "classification") == "semantic":
+        _segmentation_contract(name, model, batch)
+        return
     for method in ("forward_features", "forward_head", "reset_classifier"):
         assert callable(getattr(model, method, None)), f"{name} lacks {method}"
     model.train()
@@ -130,6 +133,20 @@ def _contract(name: str, batch: int, max_img_size: int | None = None) -> None:
     assert model.num_classes == 3  # a refused reset leaves the model as it was
     with torch.no_grad():
         assert model(*inputs).shape == (batch, 3)
+
+
+def _segmentation_contract(name: str, model: torch.nn.Module, batch: int) -> None:
+    """A segmenter: logits for every class at every pixel, every parameter trained, a new head."""
+    model.train()
+    (images,) = example_inputs(model, batch)
+    logits = model(images)
+    assert logits.shape == (batch, model.num_classes, *images.shape[-2:])
+    logits.square().mean().backward()
+    no_grad = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None)]
+    assert not no_grad, f"{name}: parameters without gradient: {no_grad[:5]}"
+    model.reset_classifier(3)
+    with torch.no_grad():
+        assert model.eval()(images).shape == (batch, 3, *images.shape[-2:])
 
 
 def _detection_contract(name: str, model: torch.nn.Module, batch: int) -> None:

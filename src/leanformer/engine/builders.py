@@ -57,9 +57,15 @@ def check_data_fits(model_cls: type[nn.Module], info: DatasetInfo, *, name: str 
     model takes (a pair dataset for a single-image model, or the other way round)."""
     task = getattr(model_cls, "task", "classification")  # a detector says "detection"
     if task != info.task:
+        hint = (
+            "segmenters such as segvit_fashion go with fashion_detect's semantic masks, "
+            "data.options.target: semantic"
+            if "semantic" in (task, info.task)
+            else "detectors such as detr_fashion go with fashion_detect"
+        )
         raise ValueError(
             f"{name or model_cls.__name__} is a {task} model, but the dataset's targets are for "
-            f"{info.task} (detectors such as detr_fashion go with fashion_detect)"
+            f"{info.task} ({hint})"
         )
     takes = getattr(model_cls, "NUM_INPUTS", 1)
     if takes != info.inputs:
