@@ -85,6 +85,7 @@ from leanformer.errors import NonFiniteLossError
 from leanformer.models.pretrained import shipped_models
 from leanformer.models.query_budget import query_budget
 from leanformer.models.registry import model_info
+from leanformer.models.state_loading import load_state_lenient
 from leanformer.progress import progress_bar
 
 
@@ -224,24 +225,21 @@ def _build_teacher(cfg: RunConfig, info: Any, device: torch.device) -> nn.Module
 
 def _initialise_from(model: nn.Module, cfg: RunConfig, info: Any, device: torch.device) -> None:
     """Load ``train.init_from``'s weights into ``model`` (fine-tuning): the same architecture,
-    every tensor of the same shape, or a ValueError naming what differs."""
+    every tensor of the same shape, or a ValueError naming what differs (the run stops there,
+    so tensors loaded before the refusal do not matter)."""
     source = cfg.train.init_from
     if source is None:
         return
     weights = _trained_model(source, "init_from", info, device).state_dict()
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-    misfit = sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape)
-    if missing or unexpected or misfit:
+    misfit = f"init_from {source}: its weights do not fit {cfg.model} with these options"
+    missing, unexpected = load_state_lenient(model, weights, mismatch=misfit)
+    if missing or unexpected:
         words = [
             f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
-            for label, keys in (("missing", missing), ("unexpected", unexpected), ("other shapes", misfit))
+            for label, keys in (("missing", missing), ("unexpected", unexpected))
             if keys
         ]
-        raise ValueError(
-            f"init_from {source}: its weights do not fit {cfg.model} with these options ({'; '.join(words)})"
-        )
-    model.load_state_dict(weights)
+        raise ValueError(f"{misfit} ({'; '.join(words)})")
 
 
 class _LossFn:

@@ -31,12 +31,14 @@ class SegViT(DeiT):
                 "(the default), which gives each position the output of the token it went into"
             )
         super().__init__(pool=pool, unpool=pool != "none", **kwargs)
-        self._grid = self.grid_size  # the patch grid of the latest image (forward sets it)
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        """``x [B, P + N, C]`` (every patch position) -> logits on the patch grid
-        ``[B, classes, rows, cols]``."""
-        rows, cols = self._grid
+        """``x [B, P + N, C]`` (every patch position of an image at the configured size) ->
+        logits on its patch grid ``[B, classes, rows, cols]``."""
+        return self._grid_logits(x, self.grid_size, pre_logits)
+
+    def _grid_logits(self, x: Tensor, grid: tuple[int, int], pre_logits: bool = False) -> Tensor:
+        rows, cols = grid
         patches = x[:, self.num_prefix_tokens :]
         if patches.shape[1] != rows * cols:
             raise ValueError(
@@ -52,8 +54,8 @@ class SegViT(DeiT):
     def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         if attn_mask is not None or is_causal:
             raise ValueError("segvit attends over every patch: it takes no attention mask")
-        self._grid = (x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size)
-        logits = self.forward_head(self.forward_features(x))
+        grid = (x.shape[-2] // self.patch_size, x.shape[-1] // self.patch_size)  # any image size
+        logits = self._grid_logits(self.forward_features(x), grid)
         return F.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)
 
 
