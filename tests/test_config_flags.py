@@ -113,6 +113,7 @@ SWEEP_SAMPLES = {
     "finetune_epochs": (["--finetune-epochs", "2"], "2"),
     "throughput": (["--no-throughput"], "false"),
     "compile": (["--compile"], "true"),
+    "task": (["--task", "segmentation"], "segmentation"),
 }
 SWEEP_FLAGS = list(declared_flags(SweepConfig, nested=False))
 

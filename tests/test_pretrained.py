@@ -82,4 +82,15 @@ def test_every_shipped_card_matches_its_file() -> None:
     for name in shipped_models():
         card = pretrained.model_card(name)
         assert card["sha256"] == file_sha256(pretrained.WEIGHTS_DIR / f"{name}.safetensors")
-        assert {"recipe", "data", "top1"} <= set(card)
+        assert {"recipe", "data"} <= set(card) and ("top1" in card or "miou" in card)
+
+
+def test_shipped_weights_name_their_data_and_its_options() -> None:
+    """`--model NAME --pretrained` reads the data the card names, with its data options
+    (segvit_fashion: fashion_detect's semantic target); options given win."""
+    assert pretrained.card_data_overrides("segvit_fashion", {}) == {
+        "data.name": "fashion_detect",
+        "data.options.target": "semantic",
+    }
+    given = pretrained.card_data_overrides("deit_fashion", {"data.options.validation": 5})
+    assert given == {"data.name": "fashion_mnist", "data.options.validation": 5, "data.options.augment": True}

@@ -2,8 +2,8 @@
 
 Checked against a slow reference built independently of the code under test: each
 reducer's own record of where its input tokens went (captured block by block with forward
-hooks), a dropped token's nearest kept token found by a Python loop over cosine
-similarities, and the blocks composed by walking each token through them one by one.
+hooks), the blocks composed by walking each token through them one by one, and a dropped
+patch's nearest output token on the patch grid found by a Python loop over positions.
 The reduced output of the same model gathered by that map is what the unpooled output
 must be. Also: a budget that keeps every token gives exactly the unpatched host (timm and
 Hugging Face), gradients reach the patch embedding, ``fullgraph`` compiles match eager,
@@ -69,28 +69,38 @@ class _Calls:
             h.remove()
 
 
-def _slow_nearest(token: Tensor, kept: Tensor) -> int:
-    best, best_sim = -1, -math.inf
-    for j in range(kept.shape[0]):
-        sim = float(torch.dot(token, kept[j]) / (token.norm() * kept[j].norm()).clamp(min=1e-12))
-        if sim > best_sim:
-            best, best_sim = j, sim
-    return best
+def _slow_fill_on(assign: list[int], prefix: int, rows: int, cols: int) -> list[int]:
+    """Each dropped patch (-1) given the output token whose patches' centre is nearest on
+    the ``rows x cols`` grid (ties: the lower output index), one position at a time."""
+    centres: dict[int, list[tuple[int, int]]] = {}
+    for p in range(prefix, len(assign)):
+        if assign[p] >= 0:
+            centres.setdefault(assign[p], []).append(divmod(p - prefix, cols))
+    out = list(assign)
+    for p in range(prefix, len(assign)):
+        if assign[p] < 0 and centres:
+            r, c = divmod(p - prefix, cols)
+            distances = {
+                j: (r - sum(q[0] for q in v) / len(v)) ** 2 + (c - sum(q[1] for q in v) / len(v)) ** 2
+                for j, v in centres.items()
+            }
+            out[p] = min(sorted(distances), key=lambda j: distances[j])
+    return out
 
 
 def _slow_map(calls: list[tuple[bool, Tensor, Tensor, Tensor]], batch: int) -> list[list[int]]:
-    """Where each of the first block's tokens (prefix first) ended, token by token."""
+    """Where each of the first block's tokens (prefix first) ended, token by token; a
+    dropped patch shows the output token nearest to it on the 4x4 patch grid."""
     mapping = [list(range(PREFIX + PATCHES)) for _ in range(batch)]
-    for sees_prefix, tokens, out, record in calls:
+    for sees_prefix, tokens, _, record in calls:
         for b in range(batch):
             step = [] if sees_prefix else list(range(PREFIX))
             for i in range(tokens.shape[1]):
                 j = int(record[b, i])
-                if j < 0:  # dropped: the kept token most like it
-                    j = _slow_nearest(tokens[b, i], out[b])
-                step.append(j + (0 if sees_prefix else PREFIX))
-            mapping[b] = [step[t] for t in mapping[b]]
-    return mapping
+                step.append(-1 if j < 0 else j + (0 if sees_prefix else PREFIX))
+            mapping[b] = [-1 if t < 0 else step[t] for t in mapping[b]]
+    side = math.isqrt(PATCHES)
+    return [_slow_fill_on(m, PREFIX, side, side) for m in mapping]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -134,7 +144,7 @@ def test_unpool_of_a_traced_forward_equals_the_unpooled_forward(method: str) -> 
         torch.testing.assert_close(dense_logits, model(x), rtol=1e-5, atol=1e-5)
 
 
-def test_dropped_tokens_show_the_nearest_kept_token_and_merged_ones_their_merge() -> None:
+def test_positions_mapped_to_one_token_show_the_same_features() -> None:
     x = _images(2)
     model = _model("powerbert", unpool=True)
     with torch.no_grad():
@@ -229,3 +239,24 @@ def test_bad_inputs_raise_clear_errors() -> None:
         create_model("deit_test", pool="merge", keep=0.5, unpool=1)
     with pytest.raises(ValueError, match="need a pooling method"):
         create_model("deit_test", unpool=True)
+
+
+@pytest.mark.parametrize(("rows", "cols", "grid_known"), [(3, 5, True), (4, 4, True), (1, 7, False)])
+def test_the_fill_of_dropped_patches_equals_a_slow_search(rows: int, cols: int, grid_known: bool) -> None:
+    """Random maps: merged patches (a token's centre is its patches' mean), dropped ones,
+    a row whose every patch was dropped (stays -1), and no grid (sequence order)."""
+    from leanformer.pooling.dropped_fill import fill_from_nearest_position
+
+    g = torch.Generator().manual_seed(rows * cols)
+    prefix, outputs, n = 1, 5, rows * cols
+    patches = torch.randint(-1, outputs - prefix, (6, n), generator=g)
+    patches = torch.where(patches >= 0, patches + prefix, patches)  # into the non-prefix outputs
+    patches[0] = -1
+    assign = torch.cat([torch.zeros(6, prefix, dtype=torch.long), patches], dim=1)
+    got = fill_from_nearest_position(
+        assign, num_prefix=prefix, outputs=outputs, grid=(rows, cols) if grid_known else None
+    )
+    side = cols if grid_known else n
+    expected = [_slow_fill_on(row, prefix, n // side if grid_known else 1, side) for row in assign.tolist()]
+    assert got.tolist() == expected
+    assert (got[0, prefix:] == -1).all() and (got[1:] >= 0).all()

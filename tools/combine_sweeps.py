@@ -3,7 +3,7 @@
     python tools/combine_sweeps.py OUT_DIR PART_DIR [PART_DIR ...] [--title TITLE] [--overwrite]
 
 The parts must be one sweep split up: their ``sweep.json`` may differ only in the
-methods, budgets, ToMe points and name, and their unpooled baselines must agree (top-1,
+methods, budgets, ToMe points and name, and their unpooled baselines must agree (top-1 or mIoU,
 test images and GFLOPs); anything else is refused, since the joined table reads every
 row against one baseline. Each part's ``results.jsonl`` holds its own baseline (and, with
 ``tome_r``, its own ToMe points): the first part's are kept, later parts contribute only
@@ -25,7 +25,7 @@ from leanformer.apps.tradeoff import add_relative, iter_rows, markdown_table, su
 # What parts of one sweep may differ in; every other sweep.json field must be equal.
 MAY_DIFFER = ("name", "methods", "budgets", "tome_r")
 OUTPUTS = ("results.jsonl", "table.md", "tradeoff.png")
-BASELINE_FIELDS = ("top1", "n", "gflops")
+BASELINE_FIELDS = ("top1", "miou", "n", "gflops")  # a segmentation sweep scores miou
 
 
 def read_part(part: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -3,8 +3,9 @@
     python tools/ship_weights.py RUN_DIR NAME [--ema]
 
 Writes ``src/leanformer/models/weights/NAME.safetensors`` (the model's state dict, float32)
-and ``NAME.json`` (its card: the recipe, the data, the run's top-1 on the validation and
-test splits, the file's SHA-256). Evaluates both splits itself, so the card's figures
+and ``NAME.json`` (its card: the recipe, the data, the run's score on the validation and
+test splits, the file's SHA-256: top-1 of a classifier, mIoU and pixel accuracy of a
+semantic segmenter). Evaluates both splits itself, so the card's figures
 are those of the file it describes. ``--ema`` ships the EMA of the weights that a run with
 ``train.ema`` kept (choose by the validation figure the run recorded: ``top1_ema``).
 """
@@ -27,7 +28,32 @@ from leanformer.config import DataConfig
 from leanformer.engine.builders import build_split
 from leanformer.engine.checkpoint import load_model, resolve_checkpoint
 from leanformer.engine.evaluate import evaluate
+from leanformer.engine.segmentation_train import segmentation_scores
 from leanformer.models.pretrained import WEIGHTS_DIR, file_sha256
+
+
+def _canvases(config: dict, split: str, pool: str) -> str:
+    """A fashion_detect split in words: its canvases and the garments they are drawn from."""
+    from leanformer.data.fashion_detect import DEFAULT_CANVASES
+
+    options = config["data"]["options"]
+    count = options.get("num_canvases") or DEFAULT_CANVASES[split]
+    return f"{count:,} canvases of {options.get('img_size', 128)} px drawn from {pool}"
+
+
+def _split_words(config: dict) -> dict[str, str]:
+    """The train, val and test splits of the run's data, in words."""
+    if config["data"]["name"] == "fashion_detect":
+        return {
+            "train": _canvases(config, "train", "the first 50,000 training images"),
+            "val": _canvases(config, "val", "the last 10,000 training images (held out)"),
+            "test": _canvases(config, "test", "the 10,000 test images"),
+        }
+    return {
+        "train": _training_data(config),
+        "val": "the last 10,000 training images (held out)",
+        "test": "the 10,000 test images",
+    }
 
 
 def _training_data(config: dict) -> str:
@@ -58,13 +84,21 @@ def main() -> None:
     metrics = [json.loads(line) for line in (args.run_dir / "metrics.jsonl").read_text().splitlines()]
     model = load_model(resolve_checkpoint(args.run_dir), ema=args.ema).eval()
     data = config["data"]
-    top1 = {}
+    scores: dict[str, float] = {}
     for split in ("val", "test"):
         cfg = DataConfig(name=data["name"], root=data["root"], options=data["options"])
         dataset = build_split(cfg, split)
-        loader = DataLoader(dataset, batch_size=500)
-        top1[split] = round(evaluate(model, loader, progress=True, desc=split)["top1"], 2)
-        print(f"{split}: top-1 {top1[split]:.2f}% on {len(dataset)} images")
+        loader = DataLoader(dataset, batch_size=100)
+        info = dataset.info  # type: ignore[attr-defined]
+        suffix = "_val" if split == "val" else ""
+        if info.task == "semantic":
+            seg = segmentation_scores(model, loader, num_classes=info.num_classes, progress=True, desc=split)
+            scores[f"miou{suffix}"] = round(seg["miou"], 2)
+            scores[f"pixel_accuracy{suffix}"] = round(seg["pixel_accuracy"], 2)
+            print(f"{split}: mIoU {seg['miou']:.2f}% on {len(dataset)} images")
+        else:
+            scores[f"top1{suffix}"] = round(evaluate(model, loader, progress=True, desc=split)["top1"], 2)
+            print(f"{split}: top-1 {scores['top1' + suffix]:.2f}% on {len(dataset)} images")
 
     WEIGHTS_DIR.mkdir(parents=True, exist_ok=True)
     path = WEIGHTS_DIR / f"{args.name}.safetensors"
@@ -74,14 +108,8 @@ def main() -> None:
     card = {
         "model": args.name,
         "model_options": config["model_options"],
-        "top1": top1["test"],
-        "top1_val": top1["val"],
-        "data": {
-            "name": data["name"],
-            "train": _training_data(config),
-            "val": "the last 10,000 training images (held out)",
-            "test": "the 10,000 test images",
-        },
+        **scores,
+        "data": {"name": data["name"], **_split_words(config)},
         "recipe": {
             "command": f"leanformer train --config {args.recipe}",
             "epochs": len(metrics),

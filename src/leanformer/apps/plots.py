@@ -34,8 +34,9 @@ def line_styles(n: int) -> list[dict[str, str]]:
 
 
 def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
-    """Top-1 vs GFLOPs (and vs img/s when measured), one line per method; the unpooled
-    model (``none``) is a star. Returns ``path``."""
+    """Top-1 (a segmentation sweep's rows: mIoU) vs GFLOPs (and vs img/s when measured),
+    one line per method; the unpooled model (``none``) is a star. Returns ``path``."""
+    score = "miou" if rows and "miou" in rows[0] else "top1"
     has_speed = all("img_per_s" in r for r in rows)
     axes_keys = [("gflops", "GFLOPs per image")] + ([("img_per_s", "images / s")] if has_speed else [])
     fig = Figure(figsize=(5.2 * len(axes_keys), 4.2), constrained_layout=True)
@@ -48,21 +49,24 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str | Path, *, title: st
         for method in methods:
             # Connect a method's points in budget (GFLOPs) order on both axes, so noisy
             # timings show as a kink rather than reordering the curve.
-            pts = sorted((r["gflops"], r[key], r["top1"]) for r in rows if r["method"] == method)
+            pts = sorted((r["gflops"], r[key], r[score]) for r in rows if r["method"] == method)
             xs, ys = [p[1] for p in pts], [p[2] for p in pts]
             if method == "none":
                 ax.plot(xs, ys, "k*", markersize=13, label="none (unpooled)", zorder=5)
                 ax.axhline(ys[0], color="k", linestyle=":", linewidth=0.8, alpha=0.6)
             else:
                 ax.plot(xs, ys, linewidth=1.4, markersize=5, label=method, **styles[method])
-        style_accuracy_axis(ax, label, legend=col == 0, legend_loc="best")
+        ylabel = "mIoU (%)" if score == "miou" else "top-1 accuracy (%)"
+        style_accuracy_axis(ax, label, legend=col == 0, legend_loc="best", ylabel=ylabel)
     return save_figure(fig, path, title)
 
 
-def style_accuracy_axis(ax: Any, xlabel: str, *, legend: bool, legend_loc: str) -> None:
+def style_accuracy_axis(
+    ax: Any, xlabel: str, *, legend: bool, legend_loc: str, ylabel: str = "top-1 accuracy (%)"
+) -> None:
     """Labels, grid and (optionally) the legend of an accuracy-vs-cost panel."""
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("top-1 accuracy (%)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if legend:
         ax.legend(fontsize=8, loc=legend_loc)

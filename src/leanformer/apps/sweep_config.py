@@ -83,8 +83,17 @@ class SweepConfig:
         "--compile",
         "evaluate and time every variant compiled with torch.compile(fullgraph=True) (config: compile: true)",
     )
+    # What the model does, and so what each point scores: top-1 of a classifier, mIoU of a
+    # semantic segmenter (whose reducers unpool). None: what the data set is for.
+    task: str | None = flag(
+        None, "--task", "classification or segmentation (default: what the data set is for)", str
+    )
     seed: int = 0
     device: str = "cpu"
+
+
+# A sweep's task -> the data task it measures.
+SWEEP_TASKS = {"classification": "classification", "segmentation": "semantic"}
 
 
 def load_sweep_config(path: str | Path, overrides: dict[str, Any] | None = None) -> SweepConfig:
@@ -116,6 +125,8 @@ def validate(cfg: SweepConfig) -> None:
             f"name: {cfg.name!r} must be a plain folder name (the default output is runs/<name>); "
             "it may not contain path separators or '..' (use --out for another folder)"
         )
+    if cfg.task is not None and cfg.task not in SWEEP_TASKS:
+        raise ValueError(f"task: must be one of {', '.join(SWEEP_TASKS)}, got {cfg.task!r}")
     sources = [s for s in (cfg.checkpoint, cfg.model, cfg.timm_model) if s]
     if len(sources) != 1:
         raise ValueError("a sweep needs exactly one of checkpoint:, model: or timm_model:")

@@ -32,6 +32,7 @@ from leanformer.apps.gflops_budget import gflops_label, is_gflops_budget
 from leanformer.apps.plots import plot_tradeoff
 from leanformer.apps.sweep_config import (
     BASELINE,
+    SWEEP_TASKS,
     SweepConfig,
     budget_label,
     budgets_of,
@@ -53,6 +54,7 @@ from leanformer.engine.checkpoint import load_model, resolve_checkpoint
 from leanformer.engine.evaluate import evaluate
 from leanformer.engine.folder_lock import locked_folder
 from leanformer.engine.run_folder import clear_run
+from leanformer.engine.segmentation_train import segmentation_scores
 from leanformer.engine.train import fit
 from leanformer.models.pretrained import file_sha256
 from leanformer.models.registry import model_info
@@ -103,6 +105,7 @@ def with_method(
     """A deep copy of ``base`` with ``method`` at budget ``keep`` in every block.
 
     Any pooling the base already has is removed first, so ``BASELINE`` is the plain model.
+    A segmenter's reducers unpool: its head reads every patch position.
     """
     model = copy.deepcopy(base)
     if is_patched(model):
@@ -110,7 +113,31 @@ def with_method(
     if method == BASELINE:
         return model
     check_poolable(type(model))
-    return apply_token_pooling(model, keep=keep, method=method, carry=carry, **options)
+    unpool = getattr(model, "task", None) == "semantic"
+    return apply_token_pooling(model, keep=keep, method=method, carry=carry, unpool=unpool, **options)
+
+
+def sweep_task(cfg: SweepConfig, info: Any) -> str:
+    """The sweep's task (``classification`` or ``segmentation``): what the data set is for,
+    which ``task:``, when given, must match."""
+    hint = " (fashion_detect gives label maps with the data option target: semantic)"
+    found = next((name for name, data_task in SWEEP_TASKS.items() if data_task == info.task), None)
+    if found is None:
+        raise ValueError(
+            f"a sweep measures classifiers and semantic segmenters; {cfg.data.name} is a "
+            f"{info.task} data set" + (hint if info.task == "detection" else "")
+        )
+    if cfg.task is not None and cfg.task != found:
+        raise ValueError(
+            f"task: {cfg.task}, but {cfg.data.name} as configured is a {found} data set"
+            + (hint if cfg.task == "segmentation" else "")
+        )
+    return found
+
+
+def score_key(row: Mapping[str, Any]) -> str:
+    """The score a row leads with: ``miou`` for a segmentation sweep's, ``top1`` otherwise."""
+    return "miou" if "miou" in row else "top1"
 
 
 def check_timm_fits_data(model: nn.Module, info: Any) -> None:
@@ -154,7 +181,8 @@ def check_poolable(cls: type[nn.Module]) -> None:
 
 
 def finetune(model: nn.Module, loader: Any, *, epochs: int, lr: float, device: str) -> nn.Module:
-    """A short AdamW fine-tune (cross-entropy, cosine decay) of one variant, in place."""
+    """A short AdamW fine-tune (cross-entropy, per pixel for a segmenter; cosine decay) of
+    one variant, in place."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.05)
     steps = max(1, epochs * len(loader))
@@ -185,12 +213,19 @@ def timing_batch(loader: Any, batch_size: int, device: str) -> Tensor:
 
 
 def tokens_out(model: nn.Module, x: Tensor) -> int:
-    """Tokens (prefix included) reaching the final norm for one input."""
+    """Tokens (prefix included) the last block leaves for one input (before unpooling,
+    which gives a segmenter's head every position back)."""
     with torch.inference_mode():
-        return int(model.forward_features(x[:1]).shape[1])
+        count = int(model.forward_features(x[:1]).shape[1])
+    left = getattr(getattr(model, "token_pooling", None), "tokens_left", None)
+    return left if isinstance(left, int) else count
 
 
-def measure_point(model: nn.Module, *, loader: Any, batch: Tensor, cfg: SweepConfig) -> dict[str, Any]:
+def measure_point(
+    model: nn.Module, *, loader: Any, batch: Tensor, cfg: SweepConfig, info: Any
+) -> dict[str, Any]:
+    """GFLOPs, tokens out, the score (top-1, or a segmenter's mIoU and pixel accuracy) and,
+    with ``throughput``, img/s of one variant."""
     model.eval()
     row: dict[str, Any] = {}
     # FLOPs and token counts from the eager model; accuracy and speed from what runs.
@@ -202,8 +237,13 @@ def measure_point(model: nn.Module, *, loader: Any, batch: Tensor, cfg: SweepCon
         # long sweep holds one point's and every point compiles from the same state.
         torch._dynamo.reset()
         runner, row["compile_s"] = compile_for_inference(model, (batch,))
-    metrics = evaluate(runner, loader, device=cfg.device)
-    row["top1"], row["loss"], row["n"] = metrics["top1"], metrics["loss"], metrics["n"]
+    if info.task == "semantic":
+        seg = segmentation_scores(runner, loader, num_classes=info.num_classes, device=cfg.device)
+        row["miou"], row["pixel_accuracy"] = seg["miou"], seg["pixel_accuracy"]
+        row["loss"], row["n"] = seg["loss"], seg["n"]
+    else:
+        metrics = evaluate(runner, loader, device=cfg.device)
+        row["top1"], row["loss"], row["n"] = metrics["top1"], metrics["loss"], metrics["n"]
     if cfg.throughput:
         # Timed right after its evaluation: the load before includes this process's own.
         speed = measure_throughput(
@@ -467,7 +507,9 @@ def _run_sweep(
     probe = (base if base is not None else untrained_base_model(cfg)).to(cfg.device).eval()
     check_points(cfg, probe)
     test_set = build_split(cfg.data, "test")
-    check_timm_fits_data(probe, test_set.info)  # type: ignore[attr-defined]
+    info = test_set.info  # type: ignore[attr-defined]
+    sweep_task(cfg, info)
+    check_timm_fits_data(probe, info)
     test_loader = eval_loader(test_set, batch_size=cfg.data.eval_batch_size)
     batch = timing_batch(test_loader, cfg.throughput_batch_size, cfg.device)
     keys = [point_key(*p) for p in sweep_points(cfg)]
@@ -519,7 +561,7 @@ def _run_sweep(
                 "finetuned": tuned,
                 "seed": seed,
                 **({} if schedule is None else {"keep_schedule": schedule}),
-                **measure_point(model, loader=test_loader, batch=batch, cfg=cfg),
+                **measure_point(model, loader=test_loader, batch=batch, cfg=cfg, info=info),
                 "threads": torch.get_num_threads(),
             }
             measured[key] = row
@@ -540,13 +582,15 @@ def _run_sweep(
 
 def add_relative(rows: list[dict[str, Any]]) -> None:
     """Add, in place, each row's change against the baseline row (method ``none``):
-    ``d_top1`` (top-1 points), ``flops_ratio`` (base GFLOPs over the row's) and, where both
-    rows hold img/s, ``speedup``. Without a baseline row nothing is added."""
+    ``d_top1`` (top-1 points; ``d_miou`` for a segmenter), ``flops_ratio`` (base GFLOPs
+    over the row's) and, where both rows hold img/s, ``speedup``. Without a baseline row
+    nothing is added."""
     ref = next((r for r in rows if r["method"] == BASELINE), None)
     if ref is None:
         return
+    score = score_key(ref)
     for r in rows:
-        r["d_top1"] = r["top1"] - ref["top1"]
+        r[f"d_{score}"] = r[score] - ref[score]
         r["flops_ratio"] = ref["gflops"] / r["gflops"] if r["gflops"] > 0 else float("nan")
         if "img_per_s" in r and "img_per_s" in ref:
             r["speedup"] = r["img_per_s"] / ref["img_per_s"]
@@ -565,8 +609,9 @@ def summarise_seeds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for key, value in row.items():
                 if isinstance(value, float) and all(isinstance(m.get(key), float) for m in members):
                     row[key] = sum(m[key] for m in members) / len(members)
-            tops = torch.tensor([m["top1"] for m in members], dtype=torch.float64)
-            row.update(top1_std=float(tops.std()), seeds=len(members), seed=None)
+            score = score_key(row)
+            tops = torch.tensor([m[score] for m in members], dtype=torch.float64)
+            row.update({f"{score}_std": float(tops.std()), "seeds": len(members), "seed": None})
             for flag in ("busy", "unreliable"):  # one doubtful timing makes the mean doubtful
                 if flag in row:
                     row[flag] = any(m.get(flag) for m in members)
@@ -592,27 +637,36 @@ def speed_note(rows: list[dict[str, Any]]) -> str | None:
     return remeasure_note(rows, lambda r: f"{r['method']} {r['keep']}")
 
 
-def _top1(r: Mapping[str, Any]) -> str:
-    seeds = f" ± {r['top1_std']:.2f} ({r['seeds']} seeds)" if "top1_std" in r else ""
-    return _fmt(r["top1"], ".2f") + seeds
+def _score(r: Mapping[str, Any]) -> str:
+    score = score_key(r)
+    seeds = f" ± {r[score + '_std']:.2f} ({r['seeds']} seeds)" if score + "_std" in r else ""
+    return _fmt(r[score], ".2f") + seeds
 
 
-TRADEOFF_COLUMNS = (
-    Column("method", lambda r: r["method"] + (" (ft)" if r.get("finetuned") else "")),
-    Column("keep", lambda r: str(r["keep"])),
-    Column("top-1 (%)", _top1),
-    Column("Δ top-1", lambda r: _fmt(r.get("d_top1"), "+.2f")),
-    Column("GFLOPs", lambda r: _fmt(r["gflops"], ".4f" if r["gflops"] < 0.1 else ".3f")),
-    Column("FLOPs ratio", lambda r: _fmt(r.get("flops_ratio"), ".2f")),
-    Column("img/s", lambda r: _speed(r)),
-    Column("speedup", lambda r: _fmt(r.get("speedup"), ".2f")),
-    Column("tokens out", lambda r: str(r.get("tokens_out", "–"))),
-)
+# The score columns' titles, by score key.
+SCORE_TITLES = {"top1": "top-1", "miou": "mIoU"}
+
+
+def tradeoff_columns(score: str) -> tuple[Column, ...]:
+    """The sweep table's columns, led by ``score`` (``top1`` or ``miou``)."""
+    title = SCORE_TITLES[score]
+    return (
+        Column("method", lambda r: r["method"] + (" (ft)" if r.get("finetuned") else "")),
+        Column("keep", lambda r: str(r["keep"])),
+        Column(f"{title} (%)", _score),
+        Column(f"Δ {title}", lambda r: _fmt(r.get(f"d_{score}"), "+.2f")),
+        Column("GFLOPs", lambda r: _fmt(r["gflops"], ".4f" if r["gflops"] < 0.1 else ".3f")),
+        Column("FLOPs ratio", lambda r: _fmt(r.get("flops_ratio"), ".2f")),
+        Column("img/s", lambda r: _speed(r)),
+        Column("speedup", lambda r: _fmt(r.get("speedup"), ".2f")),
+        Column("tokens out", lambda r: str(r.get("tokens_out", "–"))),
+    )
 
 
 def markdown_table(rows: list[dict[str, Any]], *, title: str | None = None) -> str:
     """Rows grouped by method (baseline first), budgets in sweep order."""
-    return render_table(rows, TRADEOFF_COLUMNS, title=title)
+    score = score_key(rows[0]) if rows else "top1"
+    return render_table(rows, tradeoff_columns(score), title=title)
 
 
 def iter_rows(path: str | Path) -> Iterator[dict[str, Any]]:

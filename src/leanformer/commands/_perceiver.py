@@ -42,13 +42,10 @@ def load_perceiver(args: argparse.Namespace, *, split: str, command: str) -> tup
         model = load_model(args.checkpoint, device=args.device, ema=ema)
     elif args.model:
         if pretrained and "data.name" not in overrides:
-            from leanformer.models.pretrained import model_card
+            from leanformer.models.pretrained import card_data_overrides
 
             # Shipped weights come with their own data (perceiver_fashion: Fashion-MNIST).
-            card = model_card(args.model)
-            overrides = {"data.name": card["data"]["name"], **overrides}
-            for key, value in card["recipe"]["config"]["data"].get("options", {}).items():
-                overrides.setdefault(f"data.options.{key}", value)  # its validation split
+            overrides = card_data_overrides(args.model, overrides)
         cfg = load_config(None, {"model": args.model, **overrides})
         torch.manual_seed(args.seed)
         info = build_split(cfg.data, split).info  # type: ignore[attr-defined]

@@ -1,5 +1,5 @@
 """`leanformer eval`: top-1 of a checkpoint (or a registered model) on a dataset split; COCO box AP
-of a detector on a detection dataset."""
+of a detector on a detection dataset, mIoU of a semantic segmenter on label maps."""
 
 from __future__ import annotations
 
@@ -89,10 +89,10 @@ def _config(args: argparse.Namespace) -> tuple[RunConfig, Any]:
         )
 
     if args.pretrained and args.config is None and "data.name" not in overrides:
-        from leanformer.models.pretrained import model_card
+        from leanformer.models.pretrained import card_data_overrides
 
         # Shipped weights are sized for their own data (deit_fashion: 28x28 grey images).
-        overrides["data.name"] = model_card(args.model)["data"]["name"]
+        overrides = card_data_overrides(args.model, overrides)
     cfg = load_config(args.config, {"model": args.model, **overrides})
     info = build_split(cfg.data, args.split).info  # type: ignore[attr-defined]
     torch.manual_seed(args.seed)
@@ -149,6 +149,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     check_model_fits(model, info)
     if info.task == "detection":
         return _run_detection(args, cfg, model, dataset)
+    if info.task == "semantic":
+        return _run_segmentation(args, cfg, model, dataset)
     kept: list[torch.Tensor] = []
 
     def collect(m: torch.nn.Module) -> None:
@@ -218,6 +220,37 @@ def _run_detection(args: argparse.Namespace, cfg: RunConfig, model: Any, dataset
         print(
             f"{name} on {cfg.data.name}/{args.split}: AP {_percent(row['ap'])}, "
             f"AP50 {_percent(row['ap50'])}, AP75 {_percent(row['ap75'])} (by size: {sizes}; n={row['n']})"
+        )
+    return [row]
+
+
+def _run_segmentation(args: argparse.Namespace, cfg: RunConfig, model: Any, dataset: Any) -> list[dict]:
+    """Mean IoU and pixel accuracy of a semantic segmenter on a label-map dataset."""
+    from leanformer.data.loaders import eval_loader
+    from leanformer.engine.segmentation_train import segmentation_scores
+
+    name = getattr(model, "leanformer_name", cfg.model)
+    kwargs = forward_kwargs(args, model)  # refuses the Perceivers' call-time options by name
+    if cfg.compile:
+        from leanformer.bench.compiled import check_compilable_call, compile_model
+
+        check_compilable_call(kwargs)
+        model = compile_model(model)
+    info = dataset.info
+    metrics = segmentation_scores(
+        model,
+        eval_loader(dataset, batch_size=args.batch_size or cfg.data.eval_batch_size),
+        num_classes=info.num_classes,
+        forward_kwargs=kwargs,
+        device=args.device,
+        progress=not args.quiet and not args.json,
+    )
+    row: dict[str, Any] = {"model": name, "split": args.split, **metrics, "compiled": bool(cfg.compile)}
+    row.update(model_options(args))
+    if not args.json:
+        print(
+            f"{name} on {cfg.data.name}/{args.split}: mIoU {row['miou']:.2f}%, pixel accuracy "
+            f"{row['pixel_accuracy']:.2f}% (loss {row['loss']:.4f}, n={row['n']})"
         )
     return [row]
 

@@ -141,7 +141,12 @@ def run(args: argparse.Namespace) -> list[dict]:
         "checkpoint": str(out / "last.safetensors"),
     }
     if not args.json:
-        score = f"AP {row['ap']:.2f}" if "ap" in row else f"top-1 {row['top1']:.2f}%"
+        if "ap" in row:
+            score = f"AP {row['ap']:.2f}"
+        elif "miou" in row:
+            score = f"mIoU {row['miou']:.2f}%"
+        else:
+            score = f"top-1 {row['top1']:.2f}%"
         print(f"{cfg.model}: {score} after {row.get('epoch', 0)} epochs -> {row['checkpoint']}")
     return [row]
 

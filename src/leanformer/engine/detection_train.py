@@ -21,10 +21,11 @@ from leanformer.config import RunConfig
 DETECTION_SCORES = ("ap", "ap50", "ap75")
 
 
-def check_detection_config(cfg: RunConfig) -> None:
-    """Refuse, in one line, recipe options that only make sense for class labels or would
-    move pixels without moving the boxes. (``train.label_smoothing`` has no effect: the
-    detector's loss has its own class term.)"""
+def refuse_label_recipe_options(cfg: RunConfig, *, data_kind: str, targets: str) -> None:
+    """Refuse, in one line, the recipe options that only make sense for class labels or
+    would move pixels without moving the ``targets`` (a detector's boxes, a segmenter's
+    label map): Mixup, CutMix, RandAugment, random erasing, a teacher, query masking.
+    (``train.label_smoothing`` has no effect on a detector: its loss has its own class term.)"""
     refused = [
         (cfg.aug.mixup > 0, "aug.mixup"),
         (cfg.aug.cutmix > 0, "aug.cutmix"),
@@ -36,8 +37,8 @@ def check_detection_config(cfg: RunConfig) -> None:
     given = [name for is_set, name in refused if is_set]
     if given:
         raise ValueError(
-            f"train: {cfg.data.name} is a detection data set, for which {', '.join(given)} "
-            "do not apply (they mix labels or move pixels without their boxes); leave them unset"
+            f"train: {cfg.data.name} is a {data_kind} data set, for which {', '.join(given)} "
+            f"do not apply (they mix labels or move pixels without their {targets}); leave them unset"
         )
 
 

@@ -52,9 +52,9 @@ from leanformer.engine.checkpoint import (
     save_checkpoint,
 )
 from leanformer.engine.detection_train import (
-    check_detection_config,
     detection_loss,
     detection_scores,
+    refuse_label_recipe_options,
     targets_to,
 )
 from leanformer.engine.distill import soft_cross_entropy
@@ -80,6 +80,10 @@ from leanformer.engine.run_folder import (
     recover,
     remove_stale_temporaries,
     write_metrics,
+)
+from leanformer.engine.segmentation_train import (
+    check_label_map_logits,
+    segmentation_scores,
 )
 from leanformer.errors import NonFiniteLossError
 from leanformer.models.pretrained import shipped_models
@@ -299,6 +303,7 @@ def _check_forward(
     device: torch.device,
     *,
     num_classes: int,
+    task: str,
     batch_sizes: tuple[int, int],
 ) -> None:
     """One forward pass and loss on one training example, before anything is written: a
@@ -316,7 +321,9 @@ def _check_forward(
         finally:
             model.train(was_training)
         # A batch without the highest labels would pass cross-entropy and fail mid-epoch.
-        if logits.shape[-1] < num_classes:
+        if task == "semantic":
+            check_label_map_logits(logits, target, num_classes)
+        elif logits.shape[-1] < num_classes:
             raise ValueError(
                 f"the model gives {logits.shape[-1]} class scores, but the data has {num_classes} "
                 "classes (is num_classes set in the model options?)"
@@ -441,14 +448,17 @@ def _fit(
     try:
         train_set = build_split(cfg.data, "train")
         info = train_set.info  # type: ignore[attr-defined]
-        detection = info.task == "detection"
-        if info.task not in ("classification", "detection"):
+        task: str = info.task
+        detection = task == "detection"
+        if task not in ("classification", "detection", "semantic"):
             raise ValueError(
-                f"train: {cfg.data.name} is a {info.task} data set; `leanformer train` trains "
-                "classifiers and detectors"
+                f"train: {cfg.data.name} is a {task} data set; `leanformer train` trains "
+                "classifiers, detectors and semantic segmenters"
             )
         if detection:
-            check_detection_config(cfg)
+            refuse_label_recipe_options(cfg, data_kind="detection", targets="boxes")
+        if task == "semantic":
+            refuse_label_recipe_options(cfg, data_kind="semantic segmentation", targets="label map")
         train_set = with_recipe_augmentation(train_set, cfg.aug)
         test_set = _eval_split(cfg)
         torch.manual_seed(cfg.seed)  # identical initial weights on every process
@@ -485,6 +495,7 @@ def _fit(
                 train_set,
                 device,
                 num_classes=info.num_classes,
+                task=task,
                 batch_sizes=(cfg.data.batch_size, cfg.data.eval_batch_size),
             )
         # Dropout / drop-path randomness differs per process, as in any DDP run.
@@ -594,15 +605,13 @@ def _fit(
                 if dist_info.is_main:
                     seconds = time.perf_counter() - started
                     metrics = {"epoch": epoch + 1, "train_loss": train_loss}
-                    metrics |= _scores(model, test_set, test_loader, cfg, device, detection=detection)
+                    metrics |= _scores(model, test_set, test_loader, cfg, device, info)
                     metrics |= {"lr": float(scheduler.get_last_lr()[0]), "epoch_seconds": seconds}
                     if ema is not None:
-                        ema_scores = _scores(
-                            ema.module, test_set, test_loader, cfg, device, detection=detection
-                        )
+                        ema_scores = _scores(ema.module, test_set, test_loader, cfg, device, info)
                         metrics.update({f"{key}_ema": value for key, value in ema_scores.items()})
                     history.append(metrics)
-                    headline = "ap" if detection else "top1"
+                    headline = HEADLINE_SCORE[task]
                     epochs.set_postfix({headline: f"{metrics[headline]:.1f}", "loss": f"{train_loss:.3f}"})
                 rng_states = _gather_rng(dist_info)
                 if out is not None and dist_info.is_main:
@@ -644,13 +653,21 @@ def _fit(
         cleanup_distributed(dist_info)
 
 
+# The score an epoch's progress bar shows, by the data's task.
+HEADLINE_SCORE = {"classification": "top1", "detection": "ap", "semantic": "miou"}
+
+
 def _scores(
-    model: nn.Module, dataset: Any, loader: Any, cfg: RunConfig, device: torch.device, *, detection: bool
+    model: nn.Module, dataset: Any, loader: Any, cfg: RunConfig, device: torch.device, info: Any
 ) -> dict[str, float]:
     """An epoch's scores on the evaluation split: ``top1`` and ``test_loss`` of a classifier,
-    ``ap``, ``ap50`` and ``ap75`` of a detector."""
-    if detection:
+    ``ap``, ``ap50`` and ``ap75`` of a detector, ``miou``, ``pixel_accuracy`` and
+    ``test_loss`` of a semantic segmenter."""
+    if info.task == "detection":
         return detection_scores(model, dataset, batch_size=cfg.data.eval_batch_size, device=device)
+    if info.task == "semantic":
+        seg = segmentation_scores(model, loader, num_classes=info.num_classes, device=device)
+        return {"miou": seg["miou"], "pixel_accuracy": seg["pixel_accuracy"], "test_loss": seg["loss"]}
     scores = evaluate(model, loader, device=device)
     return {"top1": scores["top1"], "test_loss": scores["loss"]}
 

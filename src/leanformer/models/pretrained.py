@@ -35,6 +35,19 @@ def model_card(name: str) -> dict[str, Any]:
     return _read_card(path)
 
 
+def card_data_overrides(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` (dotted config keys) with the data set shipped model ``name`` was
+    trained on, and its data options (a validation split, fashion_detect's semantic
+    target), wherever ``overrides`` does not set them: shipped weights are sized for their
+    own data."""
+    card = model_card(name)
+    merged = {"data.name": card["data"]["name"], **overrides}
+    options = card.get("recipe", {}).get("config", {}).get("data", {}).get("options", {})
+    for key, value in options.items():
+        merged.setdefault(f"data.options.{key}", value)
+    return merged
+
+
 def _read_card(path: Path) -> dict[str, Any]:
     """The card at ``path``, checked for what readers take from it (``sha256``, ``data.name``):
     a damaged card is one clear error, not a JSONDecodeError or KeyError from inside."""

@@ -343,7 +343,13 @@ def patch_host(adapter: HostAdapter, pooling: TokenPooling) -> nn.Module:
     ]
     overrides += adapter.pool_overrides(pooling)
     projection = adapter.patch_projection
-    if projection is not None and reads_grids:
+    recording = projection is not None and isinstance(
+        installed(projection.__dict__.get("forward")), _RecordGrid
+    )
+    if projection is not None and (reads_grids or not recording):
+        # The grid is read by conv's windows, and by unpooling (where a dropped patch's
+        # nearest survivor lies; a projection another model records from is left alone,
+        # and unpooling takes the host's configured grid).
         overrides.append((projection, "forward", _RecordGrid(projection, pooling)))
     overrides.append((owner, "forward", _ModelForward(owner)))
     pooling.overrides = [(module, name, module.__dict__.get(name)) for module, name, _ in overrides]

@@ -226,30 +226,11 @@ def compose_assignments(first: Tensor, second: Tensor) -> Tensor:
     return through.masked_fill(first < 0, -1)
 
 
-def fill_dropped(tokens: Tensor, kept: Tensor, assign: Tensor, dropped: int) -> Tensor:
-    """``assign [B, N]`` (-1 for each of the ``dropped`` tokens of a row) with every dropped
-    token mapped to the one of ``kept [B, K, C]`` most like it (cosine similarity of
-    ``tokens [B, N, C]``): where a dropped token's position is best shown by a kept one.
-    Only the dropped tokens are compared, ``dropped x K`` similarities a row."""
-    # A stable sort puts the dropped tokens (False) first, in order: their positions, with
-    # a count known ahead, so nothing is read back to the host.
-    where = torch.argsort((assign >= 0).to(torch.uint8), dim=1, stable=True)[:, :dropped]
-    lost = tokens.gather(1, where[..., None].expand(-1, -1, tokens.shape[-1]))
-    # The cosine's argmax over the kept tokens: a dropped token's own norm scales its whole
-    # row, so only the kept tokens' norms divide (a third less time than normalising both).
-    norms = torch.linalg.vector_norm(kept, dim=-1).clamp(min=torch.finfo(kept.dtype).tiny)
-    similarity = (lost @ kept.transpose(1, 2)) / norms[:, None, :]
-    return assign.scatter(1, where, similarity.argmax(dim=-1))
-
-
 class ReducerBase(nn.Module):
     """What the built-in reducers share: budget, carry, recording. Subclasses implement :meth:`_reduce`.
 
     ``record = True`` keeps ``last_assign [B, N]``: for every input token, the output
-    token it went into (-1 when dropped), for visualisation and unpooling; a reducer that
-    drops tokens (a selection) also keeps ``last_filled [B, N]``, the same with each dropped
-    token mapped to the kept token most like it (:func:`fill_dropped`), which an unpooled
-    output shows at a dropped token's position.
+    token it went into (-1 when dropped), for visualisation and unpooling.
     """
 
     needs_received: bool = False
@@ -265,7 +246,6 @@ class ReducerBase(nn.Module):
         self.carry = carry
         self.record = False
         self.last_assign: Tensor | None = None
-        self.last_filled: Tensor | None = None
 
     @property
     def keep(self) -> Budget:
@@ -284,8 +264,6 @@ class ReducerBase(nn.Module):
         # Reducers pickled when the budget was a plain attribute.
         budget = state.pop("keep", None)
         super().__setstate__(state)
-        # Reducers pickled before dropped tokens could be filled.
-        self.__dict__.setdefault("last_filled", None)
         if budget is not None:
             self.keep = budget
 
@@ -309,18 +287,15 @@ class ReducerBase(nn.Module):
         if k >= N:
             if self.record:
                 self.last_assign = torch.arange(N, device=tokens.device).expand(B, N)
-                self.last_filled = None
             return tokens, sizes
         if k == 0:
             # Budget 0: only the prefix (class) tokens remain.
             if self.record:
                 self.last_assign = torch.full((B, N), -1, dtype=torch.long, device=tokens.device)
-                self.last_filled = self.last_assign  # nothing kept to show
             return tokens[:, :0], (sizes[:, :0] if sizes is not None else None)
         out, out_sizes, assign = self._reduce(tokens, sizes, received, k, grid)
         if self.record:
             self.last_assign = assign
-            self.last_filled = fill_dropped(tokens, out, assign, N - k) if self.keeps_input_tokens else None
         return out, (out_sizes if track else None)
 
     def output_count(self, n: int, grid: Grid | None = None) -> int:

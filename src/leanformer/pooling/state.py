@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from leanformer.ops.flop_count import count_gflops
 from leanformer.pooling.budgets import KeepSchedule, parse_keep, parse_r
+from leanformer.pooling.dropped_fill import fill_from_nearest_position
 from leanformer.pooling.gflops import solve_gflops
 from leanformer.pooling.reducer import (
     REDUCE_POSITIONS,
@@ -108,7 +109,9 @@ class TokenPooling(nn.Module):
         # The patch grid of the latest embedded image (rows, cols), recorded where the host
         # embeds it and read by the first block; then the grid one block hands to the
         # next, for reducers that read it (conv). Dict entries, as for the sizes.
-        self._grids: dict[str, Grid | None] = {"embedded": None, "handed": None}
+        # "first": the grid the latest forward's first block received, where unpooling
+        # looks for the patch nearest to a dropped one.
+        self._grids: dict[str, Grid | None] = {"embedded": None, "handed": None, "first": None}
         # (module, attribute, what it was before: None when the class's applied)
         self.overrides: list[tuple[nn.Module, str, Any]] = []
         # Follows the model's device, so reducers rebuilt for a new budget land there too.
@@ -128,6 +131,7 @@ class TokenPooling(nn.Module):
         ):
             self.__dict__.setdefault(name, default)
         self.__dict__.setdefault("_grids", {"embedded": None, "handed": None})
+        self._grids.setdefault("first", None)
         self.__dict__.setdefault("_counts", {"left": None})
         self._carried.setdefault("handed", None)
         self._carried.setdefault("entry", None)
@@ -189,6 +193,7 @@ class TokenPooling(nn.Module):
         after a forward that failed) starts from nothing stale, and conv reads the count."""
         if index == 0:
             grid, self._grids["embedded"] = self._grids["embedded"], None
+            self._grids["first"] = grid
             self._carried["handed"] = self._grids["handed"] = self._carried["entry"] = None
             return None, grid
         sizes, self._carried["handed"] = self._carried["handed"], None
@@ -361,32 +366,43 @@ class TokenPooling(nn.Module):
         self._unpool_output = yes_or_no("unpool", value)
         self._set_recording(self.reducers)
 
+    @property
+    def tokens_left(self) -> int | None:
+        """Tokens (prefix included) the latest forward's last block left, before any
+        unpooling; None before a forward."""
+        return self._counts["left"]
+
     def assignment(self, *, fill: bool) -> Tensor | None:
         """Where every token of the latest forward's first block (prefix included, in the
         model's order) went: ``[B, P + N]``, the index of the token it ended in after the
-        last block. Dropped tokens are -1, or with ``fill`` the token that the block which
-        dropped them kept nearest (-1 still where a block dropped every patch token). None
-        when no block reduced."""
+        last block. Dropped tokens are -1, or with ``fill`` the output token nearest to them
+        on the patch grid (:func:`~leanformer.pooling.dropped_fill.fill_from_nearest_position`;
+        -1 still where every patch token was dropped). None when no block reduced."""
         assign: Tensor | None = None
         for i in range(self.depth):
             reducer = self.reducer(i)
             step = None if reducer is None else getattr(reducer, "last_assign", None)
             if step is None:
                 continue
-            filled = getattr(reducer, "last_filled", None) if fill else None
-            if filled is not None:
-                step = filled
             if not sees_prefix(reducer):
                 prefix = torch.arange(self.num_prefix, device=step.device).expand(step.shape[0], -1)
                 step = torch.cat([prefix, torch.where(step >= 0, step + self.num_prefix, step)], dim=1)
             assign = step if assign is None else compose_assignments(assign, step)
+        left = self._counts["left"]
+        # Only a selection drops tokens (a static property: nothing read back to the host).
+        drops = any(getattr(r, "keeps_input_tokens", False) for r in self.reducers.values())
+        if fill and drops and assign is not None and left is not None:
+            # The grid recorded from the image, else the host's configured one (used only
+            # where it holds the forward's patch count).
+            grid = self._grids["first"] or self.grid_size
+            assign = fill_from_nearest_position(assign, num_prefix=self.num_prefix, outputs=left, grid=grid)
         return assign
 
     def unpool(self, x: Tensor) -> Tensor:
         """``x [B, M, C]``, what the latest forward's last block left (prefix first), back on
         every token position the first block received: ``[B, P + N, C]``, each position
-        showing the token it went into; a dropped token shows the token its block kept
-        nearest to it, and where a block dropped every patch token, the first prefix (class)
+        showing the token it went into; a dropped patch shows the token the nearest surviving
+        patch went into, and where every patch token was dropped, the first prefix (class)
         token. Identity when no block reduced. Needs :attr:`trace_source` or
         :attr:`unpool_output` on during that forward, and any per-token map of those tokens
         (a final norm, a user's head) may run before or after."""
