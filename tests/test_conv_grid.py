@@ -290,3 +290,25 @@ def test_compiled_conv_matches_eager_at_two_image_sizes() -> None:
         for size in (WIDE, (16, 16), WIDE):
             x = torch.randn(2, 3, *size)
             torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=1e-5)
+
+
+def test_conv_may_share_a_projection_another_model_records_from_for_unpooling_only() -> None:
+    """A merge patched first records grids (for unpooling) from the shared projection; conv
+    patched second wraps that recorder and reads each image's grid as a model of its own
+    projection does. A second conv on that projection is refused."""
+    first, second = tiny_vit(), tiny_vit()
+    second.patch_embed = first.patch_embed
+    alone = copy.deepcopy(second)  # the same weights, its own projection
+    leanformer.apply_token_pooling(first, keep=0.5, method="merge", unpool=True)
+    torch.manual_seed(0)
+    leanformer.apply_token_pooling(second, keep=[0.5, 1.0, 1.0], method="conv")
+    torch.manual_seed(0)
+    leanformer.apply_token_pooling(alone, keep=[0.5, 1.0, 1.0], method="conv")
+    third = tiny_vit()
+    third.patch_embed = first.patch_embed
+    with pytest.raises(UnsupportedHostError, match="already records image grids for another model"):
+        leanformer.apply_token_pooling(third, keep=[0.5, 1.0, 1.0], method="conv")
+    x = torch.randn(2, 3, *WIDE)
+    with torch.no_grad():
+        torch.testing.assert_close(second(x), alone(x), rtol=0, atol=0)
+        assert first.forward_features(x).shape[1] == 17  # unpooled: the class token and 16 patches

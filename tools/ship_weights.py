@@ -38,7 +38,7 @@ def _canvases(config: dict, split: str, pool: str) -> str:
 
     options = config["data"]["options"]
     count = options.get("num_canvases") or DEFAULT_CANVASES[split]
-    return f"{count:,} canvases of {options.get('img_size', 128)} px drawn from {pool}"
+    return f"{count:,} canvases of {config['data'].get('img_size') or 128} px drawn from {pool}"
 
 
 def _split_words(config: dict) -> dict[str, str]:
@@ -86,7 +86,9 @@ def main() -> None:
     data = config["data"]
     scores: dict[str, float] = {}
     for split in ("val", "test"):
-        cfg = DataConfig(name=data["name"], root=data["root"], options=data["options"])
+        cfg = DataConfig(
+            name=data["name"], root=data["root"], img_size=data.get("img_size"), options=data["options"]
+        )
         dataset = build_split(cfg, split)
         loader = DataLoader(dataset, batch_size=100)
         info = dataset.info  # type: ignore[attr-defined]

@@ -310,9 +310,11 @@ def _check_grid_source(adapter: HostAdapter) -> None:
             "this model takes other image sizes without one to read it from: give it a fixed "
             "image size, or use a method that does not need the grid"
         )
-    if projection is not None and isinstance(installed(projection.__dict__.get("forward")), _RecordGrid):
-        # Another patched model shares this projection: one of the two would read the
-        # other's grids.
+    recorder = None if projection is None else installed(projection.__dict__.get("forward"))
+    if isinstance(recorder, _RecordGrid) and any(reads_grid(r) for r in recorder.pooling.reducers.values()):
+        # Another patched model's conv reads the grids this projection records: one of the
+        # two would read the other's. (A recorder for another model's unpooling alone is
+        # wrapped: both record.)
         raise adapter.error(
             "its patch projection already records image grids for another model's conv pooling "
             "(the two share it): give this model its own patch embedding, or remove the other's pooling"

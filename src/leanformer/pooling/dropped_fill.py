@@ -31,7 +31,8 @@ def fill_from_nearest_position(assign: Tensor, *, num_prefix: int, outputs: int,
     or a grid that does not hold ``N`` patches: their order in the sequence). After
     selections alone each output token holds one patch, so this is the nearest surviving
     patch. Rows in which every patch was dropped keep -1 (the caller shows the class token).
-    Memory ``B x N x outputs``: what survived is searched, not every position."""
+    Memory ``B x N x outputs`` (a few tensors of it): each position against the output
+    tokens, not against every other position."""
     patches = assign[:, num_prefix:]
     B, n = patches.shape
     if n == 0 or outputs == 0:
@@ -54,7 +55,10 @@ def fill_from_nearest_position(assign: Tensor, *, num_prefix: int, outputs: int,
     centres = sums[:, :outputs] / counts[:, :outputs, None].clamp(min=1)
     # Squared distances; output tokens holding no patch (prefix tokens) are never nearest.
     # Ties go to the lower output index (argmin's first): the fill is deterministic.
-    distance = (where[None, :, None, :] - centres[:, None, :, :]).square().sum(-1)  # [B, N, outputs]
+    # One coordinate at a time: no [B, N, outputs, 2] temporary.
+    distance = (where[None, :, None, 0] - centres[:, None, :, 0]).square()  # [B, N, outputs]
+    for d in range(1, where.shape[1]):  # the grid's columns, when it has them
+        distance = distance + (where[None, :, None, d] - centres[:, None, :, d]).square()
     distance = distance.masked_fill((counts[:, None, :outputs] == 0), float("inf"))
     nearest = distance.argmin(dim=-1)
     # A row with no patch left keeps -1 (every distance inf there).
