@@ -15,6 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import hsv_to_rgb
 from matplotlib.figure import Figure
 
+from leanformer.apps.sweep_config import score_key
+
 _MARKERS = "osD^v<>phXPd"
 _COLOURS = [f"C{i}" for i in range(10)]  # matplotlib's default cycle (tab10)
 _LINESTYLES = ("-", "--", ":", "-.")
@@ -36,7 +38,7 @@ def line_styles(n: int) -> list[dict[str, str]]:
 def plot_tradeoff(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
     """Top-1 (a segmentation sweep's rows: mIoU) vs GFLOPs (and vs img/s when measured),
     one line per method; the unpooled model (``none``) is a star. Returns ``path``."""
-    score = "miou" if rows and "miou" in rows[0] else "top1"
+    score = score_key(rows[0]) if rows else "top1"
     has_speed = all("img_per_s" in r for r in rows)
     axes_keys = [("gflops", "GFLOPs per image")] + ([("img_per_s", "images / s")] if has_speed else [])
     fig = Figure(figsize=(5.2 * len(axes_keys), 4.2), constrained_layout=True)

@@ -7,6 +7,7 @@ line can declare its flags from these fields without loading the sweep's machine
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,11 @@ class SweepConfig:
 
 # A sweep's task -> the data task it measures.
 SWEEP_TASKS = {"classification": "classification", "segmentation": "semantic"}
+
+
+def score_key(row: Mapping[str, Any]) -> str:
+    """The score a sweep row leads with: ``miou`` for a segmentation sweep's, ``top1`` otherwise."""
+    return "miou" if "miou" in row else "top1"
 
 
 def load_sweep_config(path: str | Path, overrides: dict[str, Any] | None = None) -> SweepConfig:

@@ -38,6 +38,7 @@ from leanformer.apps.sweep_config import (
     budgets_of,
     method_options,
     methods_of,
+    score_key,
     sweep_points,
     validate,
 )
@@ -51,10 +52,9 @@ from leanformer.config import RunConfig, from_dict
 from leanformer.data.loaders import eval_loader, train_loader
 from leanformer.engine.builders import build_model, build_split
 from leanformer.engine.checkpoint import load_model, resolve_checkpoint
-from leanformer.engine.evaluate import evaluate
 from leanformer.engine.folder_lock import locked_folder
 from leanformer.engine.run_folder import clear_run
-from leanformer.engine.segmentation_train import segmentation_scores
+from leanformer.engine.segmentation_train import label_scores
 from leanformer.engine.train import fit
 from leanformer.models.pretrained import file_sha256
 from leanformer.models.registry import model_info
@@ -117,9 +117,9 @@ def with_method(
     return apply_token_pooling(model, keep=keep, method=method, carry=carry, unpool=unpool, **options)
 
 
-def sweep_task(cfg: SweepConfig, info: Any) -> str:
-    """The sweep's task (``classification`` or ``segmentation``): what the data set is for,
-    which ``task:``, when given, must match."""
+def check_sweep_task(cfg: SweepConfig, info: Any) -> None:
+    """Refuse data a sweep cannot score (neither classes nor label maps), and a ``task:``
+    that is not what the data set is for."""
     hint = " (fashion_detect gives label maps with the data option target: semantic)"
     found = next((name for name, data_task in SWEEP_TASKS.items() if data_task == info.task), None)
     if found is None:
@@ -132,12 +132,6 @@ def sweep_task(cfg: SweepConfig, info: Any) -> str:
             f"task: {cfg.task}, but {cfg.data.name} as configured is a {found} data set"
             + (hint if cfg.task == "segmentation" else "")
         )
-    return found
-
-
-def score_key(row: Mapping[str, Any]) -> str:
-    """The score a row leads with: ``miou`` for a segmentation sweep's, ``top1`` otherwise."""
-    return "miou" if "miou" in row else "top1"
 
 
 def check_timm_fits_data(model: nn.Module, info: Any) -> None:
@@ -237,13 +231,7 @@ def measure_point(
         # long sweep holds one point's and every point compiles from the same state.
         torch._dynamo.reset()
         runner, row["compile_s"] = compile_for_inference(model, (batch,))
-    if info.task == "semantic":
-        seg = segmentation_scores(runner, loader, num_classes=info.num_classes, device=cfg.device)
-        row["miou"], row["pixel_accuracy"] = seg["miou"], seg["pixel_accuracy"]
-        row["loss"], row["n"] = seg["loss"], seg["n"]
-    else:
-        metrics = evaluate(runner, loader, device=cfg.device)
-        row["top1"], row["loss"], row["n"] = metrics["top1"], metrics["loss"], metrics["n"]
+    row |= label_scores(runner, loader, info=info, device=cfg.device)
     if cfg.throughput:
         # Timed right after its evaluation: the load before includes this process's own.
         speed = measure_throughput(
@@ -508,7 +496,7 @@ def _run_sweep(
     check_points(cfg, probe)
     test_set = build_split(cfg.data, "test")
     info = test_set.info  # type: ignore[attr-defined]
-    sweep_task(cfg, info)
+    check_sweep_task(cfg, info)
     check_timm_fits_data(probe, info)
     test_loader = eval_loader(test_set, batch_size=cfg.data.eval_batch_size)
     batch = timing_batch(test_loader, cfg.throughput_batch_size, cfg.device)

@@ -149,8 +149,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     check_model_fits(model, info)
     if info.task == "detection":
         return _run_detection(args, cfg, model, dataset)
-    if info.task == "semantic":
-        return _run_segmentation(args, cfg, model, dataset)
     kept: list[torch.Tensor] = []
 
     def collect(m: torch.nn.Module) -> None:
@@ -160,11 +158,14 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     kwargs = forward_kwargs(args, model)
     compiled = cfg.compile
+    name = getattr(model, "leanformer_name", cfg.model)
     if compiled:
         from leanformer.bench.compiled import check_compilable_call, compile_model
 
         check_compilable_call(kwargs)
         model = compile_model(model)
+    if info.task == "semantic":
+        return _run_segmentation(args, cfg, model, dataset, name=name, forward_kwargs=kwargs)
     metrics = evaluate(
         model,
         eval_loader(dataset, batch_size=args.batch_size or cfg.data.eval_batch_size),
@@ -224,24 +225,25 @@ def _run_detection(args: argparse.Namespace, cfg: RunConfig, model: Any, dataset
     return [row]
 
 
-def _run_segmentation(args: argparse.Namespace, cfg: RunConfig, model: Any, dataset: Any) -> list[dict]:
-    """Mean IoU and pixel accuracy of a semantic segmenter on a label-map dataset."""
+def _run_segmentation(
+    args: argparse.Namespace,
+    cfg: RunConfig,
+    model: Any,
+    dataset: Any,
+    *,
+    name: str,
+    forward_kwargs: dict[str, Any],
+) -> list[dict]:
+    """Mean IoU and pixel accuracy of a semantic segmenter (compiled when asked, ``run``'s
+    ``forward_kwargs`` checked) on a label-map dataset."""
     from leanformer.data.loaders import eval_loader
     from leanformer.engine.segmentation_train import segmentation_scores
 
-    name = getattr(model, "leanformer_name", cfg.model)
-    kwargs = forward_kwargs(args, model)  # refuses the Perceivers' call-time options by name
-    if cfg.compile:
-        from leanformer.bench.compiled import check_compilable_call, compile_model
-
-        check_compilable_call(kwargs)
-        model = compile_model(model)
-    info = dataset.info
     metrics = segmentation_scores(
         model,
         eval_loader(dataset, batch_size=args.batch_size or cfg.data.eval_batch_size),
-        num_classes=info.num_classes,
-        forward_kwargs=kwargs,
+        num_classes=dataset.info.num_classes,
+        forward_kwargs=forward_kwargs,
         device=args.device,
         progress=not args.quiet and not args.json,
     )

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from leanformer.engine.evaluate import call_model, to_device
+from leanformer.engine.evaluate import call_model, evaluate, to_device
 from leanformer.engine.segmentation_eval import SegmentationScores
 from leanformer.progress import progress_bar
 
@@ -74,3 +74,13 @@ def segmentation_scores(
         "loss": loss_sum.item() / pixels,
         "n": count,
     }
+
+
+def label_scores(
+    model: nn.Module, loader: Iterable[Any], *, info: Any, device: torch.device | str
+) -> dict[str, float]:
+    """What the data's labels score (``info``: the data set's): ``top1`` of a classifier, or
+    ``miou`` and ``pixel_accuracy`` of a semantic segmenter, with ``loss`` and ``n``."""
+    if info.task == "semantic":
+        return segmentation_scores(model, loader, num_classes=info.num_classes, device=device)
+    return evaluate(model, loader, device=device)

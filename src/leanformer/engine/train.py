@@ -59,7 +59,7 @@ from leanformer.engine.detection_train import (
 )
 from leanformer.engine.distill import soft_cross_entropy
 from leanformer.engine.distributed import DistInfo, barrier, cleanup_distributed, setup_distributed
-from leanformer.engine.evaluate import call_model, evaluate, to_device
+from leanformer.engine.evaluate import call_model, to_device
 from leanformer.engine.folder_lock import is_main_process, locked_folder
 from leanformer.engine.query_masking import QUERY_DISTRIBUTIONS, sample_num_queries
 from leanformer.engine.recipe import (
@@ -83,7 +83,7 @@ from leanformer.engine.run_folder import (
 )
 from leanformer.engine.segmentation_train import (
     check_label_map_logits,
-    segmentation_scores,
+    label_scores,
 )
 from leanformer.errors import NonFiniteLossError
 from leanformer.models.pretrained import shipped_models
@@ -665,11 +665,8 @@ def _scores(
     ``test_loss`` of a semantic segmenter."""
     if info.task == "detection":
         return detection_scores(model, dataset, batch_size=cfg.data.eval_batch_size, device=device)
-    if info.task == "semantic":
-        seg = segmentation_scores(model, loader, num_classes=info.num_classes, device=device)
-        return {"miou": seg["miou"], "pixel_accuracy": seg["pixel_accuracy"], "test_loss": seg["loss"]}
-    scores = evaluate(model, loader, device=device)
-    return {"top1": scores["top1"], "test_loss": scores["loss"]}
+    scores = label_scores(model, loader, info=info, device=device)
+    return {k: v for k, v in scores.items() if k not in ("loss", "n")} | {"test_loss": scores["loss"]}
 
 
 def _check_detector(

@@ -221,6 +221,12 @@ def single_conv(module: object) -> nn.Module | None:
     return convs[0] if len(convs) == 1 else None
 
 
+def _grid_recorder(projection: nn.Module | None) -> _RecordGrid | None:
+    """The grid recorder another patched model installed on ``projection``, if any."""
+    recorder = None if projection is None else installed(projection.__dict__.get("forward"))
+    return recorder if isinstance(recorder, _RecordGrid) else None
+
+
 class _RecordGrid:
     """The ``forward`` a patch projection gets: the one it had (an instance ``forward``
     another library installed, else its class's), recording the grid it made."""
@@ -310,8 +316,8 @@ def _check_grid_source(adapter: HostAdapter) -> None:
             "this model takes other image sizes without one to read it from: give it a fixed "
             "image size, or use a method that does not need the grid"
         )
-    recorder = None if projection is None else installed(projection.__dict__.get("forward"))
-    if isinstance(recorder, _RecordGrid) and any(reads_grid(r) for r in recorder.pooling.reducers.values()):
+    recorder = _grid_recorder(projection)
+    if recorder is not None and any(reads_grid(r) for r in recorder.pooling.reducers.values()):
         # Another patched model's conv reads the grids this projection records: one of the
         # two would read the other's. (A recorder for another model's unpooling alone is
         # wrapped: both record.)
@@ -345,10 +351,7 @@ def patch_host(adapter: HostAdapter, pooling: TokenPooling) -> nn.Module:
     ]
     overrides += adapter.pool_overrides(pooling)
     projection = adapter.patch_projection
-    recording = projection is not None and isinstance(
-        installed(projection.__dict__.get("forward")), _RecordGrid
-    )
-    if projection is not None and (reads_grids or not recording):
+    if projection is not None and (reads_grids or _grid_recorder(projection) is None):
         # The grid is read by conv's windows, and by unpooling (where a dropped patch's
         # nearest survivor lies; a projection another model records from is left alone,
         # and unpooling takes the host's configured grid).
